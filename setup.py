@@ -1,0 +1,36 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="trl_flow",
+    version="0.1.0.dev0",
+    description="Reinforcement-learning post-training (Flow-GRPO, OP-GRPO, Stepwise-Flow-GRPO, Flow-DPPO) "
+    "for flow-matching text-to-image and text-to-video diffusers pipelines.",
+    long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["trl_flow", "trl_flow.*"]),
+    include_package_data=True,
+    package_data={"trl_flow.tasks.shapes": ["base_model/**/*", "base_model/*"]},
+    python_requires=">=3.10",
+    # torch is deliberately NOT pinned here beyond a floor: install it first (see README), since a bare
+    # `torch` requirement resolved by pip pulls a multi-GB CUDA build.
+    install_requires=[
+        "torch>=2.4",
+        "diffusers>=0.35",
+        "transformers>=4.51",
+        "peft>=0.17",
+        "accelerate>=1.4",
+        "datasets>=3.0",
+        "trl>=0.20",
+        "safetensors",
+        "huggingface_hub",
+        "numpy",
+        "pillow",
+        "tqdm",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "matplotlib", "tensorboard"],
+        "wandb": ["wandb"],
+        "quant": ["bitsandbytes"],
+        "bench": ["matplotlib"],
+    },
+)
