@@ -1,1 +1,22 @@
-"""trl_flow."""
+"""trl_flow: reinforcement-learning post-training for flow-matching diffusers pipelines.
+
+prompts (data.py) -> rollout (rollout.py, kernels.py, models/) -> rewards (rewards.py) -> advantages
+(advantages.py) -> loss (losses.py) -> update (trainers/).
+"""
+
+from .kernels import gaussian_kl, sde_step
+from .rewards import jpeg_compressibility, jpeg_incompressibility
+from .trainers import FlowGRPOConfig, FlowGRPOTrainer, FlowRLConfig, FlowRLTrainer
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "FlowGRPOConfig",
+    "FlowGRPOTrainer",
+    "FlowRLConfig",
+    "FlowRLTrainer",
+    "gaussian_kl",
+    "jpeg_compressibility",
+    "jpeg_incompressibility",
+    "sde_step",
+]

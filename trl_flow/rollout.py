@@ -1,0 +1,122 @@
+"""Rollout: sample trajectories with a transition kernel and keep what the update needs.
+
+For each sample the rollout stores every state ``x_0 .. x_K``, the per-step behaviour log-probs and kernel means
+(frozen as ``logp_old`` / ``mu_old``), and which steps are trainable. ``N`` is the number of samples on this
+process, ``K`` the number of sampling steps, ``L`` the latent shape (e.g. C, h, w).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .kernels import sde_step
+from .models import FlowAdapter, PromptEmbeds, Schedule, index_embeds
+
+
+@dataclass
+class Rollout:
+    """A batch of trajectories on one process.
+
+    Attributes:
+        prompts: N prompts. columns: the prompts' other dataset columns, each a list of N values.
+        group_ids: (N,) long, the global group (prompt slot) of each sample.
+        embeds: prompt conditioning, each tensor (N, ...).
+        schedule: sigmas (K + 1,) and timesteps (K,).
+        states: (N, K + 1, *L) float32, ``x_0`` (noise) .. ``x_K`` (the sample).
+        log_probs: (N, K) float32 behaviour log-probs (0 where the step is deterministic).
+        means: (N, K, *L) float32 behaviour kernel means.
+        stds: (K,) float32 kernel std per step (0 = deterministic step).
+        train_mask: (N, K) bool, the steps that are trained.
+        images: (N, 3, H, W) float32 in [0, 1], the decoded samples.
+        rewards: (N,) float32 combined reward (NaN where no reward function gave a value).
+        rewards_per_func: name -> (N,) float32 (NaN where that function skipped the sample).
+        advantages: (N,) or (N, K) float32, set by the trainer.
+    """
+
+    prompts: list[str]
+    columns: dict[str, list]
+    group_ids: torch.Tensor
+    embeds: PromptEmbeds
+    schedule: Schedule
+    states: torch.Tensor
+    log_probs: torch.Tensor
+    means: torch.Tensor
+    stds: torch.Tensor
+    train_mask: torch.Tensor
+    images: torch.Tensor | None = None
+    rewards: torch.Tensor | None = None
+    rewards_per_func: dict[str, torch.Tensor] = field(default_factory=dict)
+    advantages: torch.Tensor | None = None
+    extras: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+
+def step_samplers(sampler: str, num_steps: int, sde_steps: torch.Tensor | None) -> list[str]:
+    """The kernel of each step: ``sampler`` on the SDE steps, ``ode`` elsewhere and always on the last step."""
+    kinds = []
+    for k in range(num_steps):
+        stochastic = k < num_steps - 1 and (sde_steps is None or bool(sde_steps[k]))
+        kinds.append(sampler if stochastic else "ode")
+    return kinds
+
+
+@torch.no_grad()
+def sample_trajectories(
+    adapter: FlowAdapter,
+    model: torch.nn.Module,
+    embeds: PromptEmbeds,
+    noise: torch.Tensor,
+    schedule: Schedule,
+    step_kinds: list[str],
+    noise_level: float,
+    guidance_scale: float,
+    batch_size: int,
+    generator: torch.Generator | None = None,
+    logprob_reduction: str = "mean",
+    start_states: torch.Tensor | None = None,
+    start_step: int = 0,
+    autocast=None,
+) -> dict[str, torch.Tensor]:
+    """Run the sampler over a batch in chunks of ``batch_size``.
+
+    Args:
+        noise: (N, *L) initial states ``x_0`` (used when ``start_states`` is None).
+        step_kinds: K kernel names, one per step (see :func:`step_samplers`).
+        start_states: optional (N, *L) states at step ``start_step``: sampling resumes there (used to regenerate
+            the tail of a stored trajectory); the returned tensors still cover all K steps, with the steps before
+            ``start_step`` left as zeros for the caller to fill in.
+
+    Returns:
+        ``states`` (N, K + 1, *L), ``log_probs`` (N, K), ``means`` (N, K, *L), ``stds`` (K,).
+    """
+    import contextlib
+
+    autocast = autocast or contextlib.nullcontext
+    x_all = noise if start_states is None else start_states
+    n, K = x_all.shape[0], schedule.num_steps
+    sig = schedule.sigmas
+    states = torch.zeros((n, K + 1, *x_all.shape[1:]), dtype=torch.float32, device=x_all.device)
+    means = torch.zeros((n, K, *x_all.shape[1:]), dtype=torch.float32, device=x_all.device)
+    log_probs = torch.zeros((n, K), dtype=torch.float32, device=x_all.device)
+    stds = torch.zeros(K, dtype=torch.float32, device=x_all.device)
+    for lo in range(0, n, batch_size):
+        idx = slice(lo, min(lo + batch_size, n))
+        x = x_all[idx].float()
+        emb = index_embeds(embeds, idx)
+        states[idx, start_step] = x
+        for k in range(start_step, K):
+            with autocast():
+                v = adapter.velocity(model, x, schedule.timesteps[k], emb, guidance_scale)
+            x, lp, mean, std = sde_step(
+                step_kinds[k], x, v, sig[k], sig[k + 1], noise_level, generator=generator,
+                logprob_reduction=logprob_reduction,
+            )
+            states[idx, k + 1] = x
+            means[idx, k] = mean
+            log_probs[idx, k] = lp
+            stds[k] = std.reshape(-1)[0]
+    return {"states": states, "log_probs": log_probs, "means": means, "stds": stds}

@@ -1,0 +1,134 @@
+"""Fields shared by every trl_flow trainer config.
+
+Names follow ``transformers.TrainingArguments`` where the meaning is the same and diffusers' pipeline arguments for
+sampling. Every field has ``metadata={"help": ...}`` so ``trl.TrlParser`` turns a config into a command line.
+Invalid values raise ``ValueError`` in ``__post_init__`` naming the field and what is allowed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from ..advantages import SCALE_REWARDS
+from ..kernels import REDUCTIONS, SAMPLERS
+
+
+@dataclass
+class FlowRLConfig:
+    # ---- run ---------------------------------------------------------------------------------------------------
+    output_dir: str = field(default="trl_flow_output", metadata={"help": "Where checkpoints, samples and the final LoRA are written."})
+    run_name: str | None = field(default=None, metadata={"help": "Name of the run for the trackers (default: the trainer's method name)."})
+    seed: int = field(default=42, metadata={"help": "Seed of every random draw (prompt order, noise, SDE noise, shuffles). Each iteration derives its own generators from (seed, step), so a resumed run repeats an uninterrupted one exactly."})
+    max_steps: int = field(default=100, metadata={"help": "Number of training iterations. One iteration samples `prompts_per_step * num_generations` trajectories, scores them and runs `num_inner_epochs` passes of updates over them."})
+    # ---- batch ---------------------------------------------------------------------------------------------------
+    num_generations: int = field(default=8, metadata={"help": "Group size G: trajectories sampled per prompt (published: 24)."})
+    prompts_per_step: int = field(default=4, metadata={"help": "Distinct prompts (groups) per iteration, over all processes. `prompts_per_step * num_generations` must divide evenly among processes."})
+    per_device_train_batch_size: int = field(default=8, metadata={"help": "Trajectories per forward pass on one device, for sampling and for the update."})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Microbatches (of `per_device_train_batch_size` trajectories, each over all its trained steps) accumulated per optimizer step."})
+    num_inner_epochs: int = field(default=1, metadata={"help": "Passes of updates over each rollout. The first pass keeps the rollout's batch composition so the first ratio is exactly 1; later passes shuffle."})
+    # ---- optimisation ------------------------------------------------------------------------------------------
+    learning_rate: float = field(default=3e-4, metadata={"help": "AdamW learning rate (published Flow-GRPO: 3e-4 for LoRA)."})
+    adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
+    adam_beta2: float = field(default=0.999, metadata={"help": "AdamW beta2."})
+    adam_epsilon: float = field(default=1e-8, metadata={"help": "AdamW epsilon."})
+    weight_decay: float = field(default=1e-4, metadata={"help": "AdamW weight decay."})
+    optim: str = field(default="adamw_torch", metadata={"help": "Optimizer: `adamw_torch` or `adamw_8bit` (bitsandbytes)."})
+    lr_scheduler_type: str = field(default="constant", metadata={"help": "A `transformers.get_scheduler` name: constant, linear, cosine, constant_with_warmup, ..."})
+    warmup_steps: int = field(default=0, metadata={"help": "Warm-up optimizer steps of the LR schedule."})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm (0 disables)."})
+    bf16: bool = field(default=False, metadata={"help": "bf16 mixed precision: frozen weights in bf16, trainable LoRA weights and all kernel math in float32."})
+    fp16: bool = field(default=False, metadata={"help": "fp16 mixed precision (like bf16, with a gradient scaler)."})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "Enable the transformer's gradient checkpointing to save memory."})
+    # ---- what is trained -----------------------------------------------------------------------------------------
+    finetune: str = field(default="lora", metadata={"help": "`lora` (peft adapter on the transformer; the reference policy is the model with adapters disabled) or `full` (all transformer weights; the reference is a frozen copy)."})
+    lora_r: int = field(default=32, metadata={"help": "LoRA rank (published: 32)."})
+    lora_alpha: int = field(default=64, metadata={"help": "LoRA alpha (published: 64). Saved in the adapter metadata, so alpha != r round-trips."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout. Must be 0 for the first-step ratio to be exactly 1."})
+    lora_target_modules: list[str] | None = field(default=None, metadata={"help": "Modules to adapt; default: the attention projections of the model family (SD3: to_q to_k to_v to_out.0 add_q_proj add_k_proj add_v_proj to_add_out)."})
+    ema_decay: float = field(default=0.0, metadata={"help": "EMA of the trained weights (diffusers EMAModel) used for evaluation and `save_model`; 0 disables (published: 0.9)."})
+    # ---- sampling ----------------------------------------------------------------------------------------------
+    sampler: str = field(default="flow_sde", metadata={"help": "Transition kernel of the rollout: `flow_sde` (Flow-GRPO), `cps` (coefficients-preserving), `ddim` (Stepwise-Flow-GRPO) or `ode`."})
+    noise_level: float = field(default=0.7, metadata={"help": "Kernel noise: `a` for flow_sde/cps, `eta` for ddim (published flow_sde: 0.7)."})
+    num_inference_steps: int = field(default=10, metadata={"help": "Sampling steps of the rollout (published: 10)."})
+    guidance_scale: float = field(default=4.5, metadata={"help": "Classifier-free guidance scale of the rollout and the update; <= 1 means one unguided pass (published: 4.5)."})
+    height: int = field(default=512, metadata={"help": "Image height in pixels."})
+    width: int = field(default=512, metadata={"help": "Image width in pixels."})
+    max_sequence_length: int = field(default=256, metadata={"help": "T5 prompt length (pipelines without T5 ignore it)."})
+    same_noise_per_group: bool = field(default=False, metadata={"help": "Give all trajectories of a group the same initial noise."})
+    sde_window_size: int = field(default=0, metadata={"help": "Flow-GRPO-Fast / MixGRPO window: if > 0, only this many consecutive steps are stochastic (start drawn in [0, sde_window_range)), ODE elsewhere, and only they are trained. 0: every step but the last."})
+    sde_window_range: int | None = field(default=None, metadata={"help": "Window starts are drawn in [0, sde_window_range); default num_inference_steps // 2."})
+    logprob_reduction: str = field(default="mean", metadata={"help": "Reduce the per-dimension log-density by `mean` (reference code; clip ranges ~1e-4) or `sum`."})
+    # ---- objective -----------------------------------------------------------------------------------------------
+    beta: float = field(default=0.04, metadata={"help": "Weight of the exact kernel KL to the reference policy (published: 0.04 GenEval/OCR, 0.01 PickScore). 0 skips the reference forward pass."})
+    reward_weights: list[float] | None = field(default=None, metadata={"help": "One weight per reward function (default: all 1)."})
+    scale_rewards: str = field(default="group", metadata={"help": "Advantage std: `group`, `batch` (whole gathered batch) or `none`."})
+    adv_clip_max: float = field(default=5.0, metadata={"help": "Advantages are clipped to +-adv_clip_max."})
+    # ---- evaluation, logging, checkpoints -------------------------------------------------------------------
+    eval_steps: int = field(default=0, metadata={"help": "Evaluate every this many iterations (and before the first and after the last); 0 disables. Needs an eval_dataset."})
+    eval_num_inference_steps: int = field(default=40, metadata={"help": "ODE steps of the evaluation sampler (published: 40)."})
+    eval_guidance_scale: float | None = field(default=None, metadata={"help": "Guidance of the evaluation (default: guidance_scale)."})
+    per_device_eval_batch_size: int = field(default=16, metadata={"help": "Images per forward pass in evaluation."})
+    logging_steps: int = field(default=1, metadata={"help": "Log metrics every this many iterations."})
+    log_images_steps: int = field(default=0, metadata={"help": "Write a grid of rollout images to output_dir/samples every this many iterations; 0 disables."})
+    report_to: list[str] | str = field(default="none", metadata={"help": "Trackers for accelerate: none, all, wandb, tensorboard, or a list."})
+    save_steps: int = field(default=0, metadata={"help": "Save a resumable checkpoint (accelerate save_state) every this many iterations; 0 disables."})
+    save_total_limit: int | None = field(default=None, metadata={"help": "Keep at most this many checkpoints (oldest deleted)."})
+    resume_from_checkpoint: str | None = field(default=None, metadata={"help": "Checkpoint folder to resume from, or `latest` for the newest in output_dir. Same as train(resume_from_checkpoint=...)."})
+    push_to_hub: bool = field(default=False, metadata={"help": "Push the final LoRA to the Hub at the end of train()."})
+    hub_model_id: str | None = field(default=None, metadata={"help": "Hub repository (default: the output_dir's name)."})
+    hub_private_repo: bool | None = field(default=None, metadata={"help": "Create the Hub repository as private."})
+    disable_tqdm: bool = field(default=False, metadata={"help": "Hide the progress bar."})
+
+    def __post_init__(self):
+        def need(cond, name, msg):
+            if not cond:
+                raise ValueError(f"{type(self).__name__}.{name}={getattr(self, name)!r}: {msg}")
+
+        for name in ("max_steps", "num_generations", "prompts_per_step", "per_device_train_batch_size",
+                     "gradient_accumulation_steps", "num_inner_epochs", "num_inference_steps",
+                     "eval_num_inference_steps", "per_device_eval_batch_size", "height", "width", "lora_r",
+                     "logging_steps"):
+            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "must be an integer >= 1")
+        for name in ("eval_steps", "save_steps", "log_images_steps", "warmup_steps", "sde_window_size"):
+            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 0, name, "must be an integer >= 0")
+        need(self.num_generations >= 2, "num_generations", "must be >= 2: a group of one has no relative advantage")
+        need(self.num_inference_steps >= 2, "num_inference_steps", "must be >= 2 (the last step is never trained)")
+        need(self.sampler in SAMPLERS, "sampler", f"must be one of {SAMPLERS}")
+        need(self.sampler != "ode", "sampler", "`ode` has no log-prob and cannot be trained; use flow_sde, cps or ddim")
+        need(self.logprob_reduction in REDUCTIONS, "logprob_reduction", f"must be one of {REDUCTIONS}")
+        need(self.scale_rewards in SCALE_REWARDS, "scale_rewards", f"must be one of {SCALE_REWARDS}")
+        need(self.finetune in ("lora", "full"), "finetune", "must be `lora` or `full`")
+        need(self.optim in ("adamw_torch", "adamw_8bit"), "optim", "must be `adamw_torch` or `adamw_8bit`")
+        need(math.isfinite(self.noise_level) and self.noise_level > 0, "noise_level", "must be > 0 (0 makes every step deterministic: nothing to train)")
+        if self.sampler in ("cps", "ddim"):
+            need(self.noise_level <= 1, "noise_level", f"must be in (0, 1] for sampler={self.sampler!r}")
+        for name in ("learning_rate",):
+            need(math.isfinite(getattr(self, name)) and getattr(self, name) > 0, name, "must be a positive number")
+        for name in ("beta", "weight_decay", "max_grad_norm", "adv_clip_max", "lora_dropout"):
+            need(math.isfinite(getattr(self, name)) and getattr(self, name) >= 0, name, "must be a finite number >= 0")
+        need(0 <= self.ema_decay < 1, "ema_decay", "must be in [0, 1) (0 disables EMA)")
+        need(not (self.bf16 and self.fp16), "bf16", "bf16 and fp16 cannot both be set")
+        if self.sde_window_size:
+            need(self.sde_window_size < self.num_inference_steps, "sde_window_size", f"must be < num_inference_steps={self.num_inference_steps}")
+            rng = self.sde_window_range if self.sde_window_range is not None else max(1, self.num_inference_steps // 2)
+            need(rng >= 1 and rng + self.sde_window_size - 1 <= self.num_inference_steps - 1, "sde_window_range",
+                 f"window starts in [0, {rng}) plus size {self.sde_window_size} must end before the last step ({self.num_inference_steps - 1})")
+        if self.reward_weights is not None:
+            need(all(math.isfinite(float(w)) for w in self.reward_weights), "reward_weights", "weights must be finite numbers")
+        if isinstance(self.report_to, str):
+            self.report_to = [] if self.report_to in ("none", "") else [self.report_to]
+        allowed = {"all", "wandb", "tensorboard", "comet_ml", "mlflow", "aim", "clearml", "dvclive", "trackio", "swanlab"}
+        bad = [r for r in self.report_to if r not in allowed and r != "none"]
+        need(not bad, "report_to", f"unknown tracker(s) {bad}; use none, all, wandb or tensorboard")
+        self.report_to = [r for r in self.report_to if r != "none"]
+        if self.save_total_limit is not None:
+            need(self.save_total_limit >= 1, "save_total_limit", "must be >= 1 or None")
+
+    @property
+    def train_batch_size(self) -> int:
+        """Trajectories per iteration over all processes."""
+        return self.prompts_per_step * self.num_generations
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,714 @@
+"""The shared trainer base: prompts -> rollout -> rewards -> (method's advantages) -> (method's loss) -> update.
+
+A method subclasses :class:`FlowRLTrainer` and implements ``compute_advantages`` and ``compute_loss`` (and, if its
+data source differs, ``make_rollout``). Everything else lives here: model and LoRA set-up, sampling, rewards,
+gathering across processes, the update loop with gradient accumulation, EMA, logging, evaluation, checkpoints,
+``save_model`` and ``push_to_hub``. The loop is our own, on ``accelerate``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from ..data import check_prompt_dataset, prompt_indices
+from ..kernels import kernel_mean_std, sde_step
+from ..models import cat_embeds, get_adapter, index_embeds
+from ..rewards import compute_rewards, validate_reward_funcs
+from ..rollout import Rollout, sample_trajectories, step_samplers
+from .base_config import FlowRLConfig
+
+LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+
+
+class TrainerState:
+    """What a checkpoint needs besides weights and optimizer: the iteration counter and the log history."""
+
+    def __init__(self):
+        self.global_step = 0
+        self.log_history: list[dict] = []
+
+    def state_dict(self):
+        return {"global_step": self.global_step, "log_history": self.log_history}
+
+    def load_state_dict(self, sd):
+        self.global_step = int(sd["global_step"])
+        self.log_history = list(sd["log_history"])
+
+
+@dataclass
+class StepOutput:
+    """The current policy at one trained step of a microbatch (B samples): everything (B,) or (B, *L)."""
+
+    log_prob: torch.Tensor
+    mean: torch.Tensor
+    std: torch.Tensor
+    ref_mean: torch.Tensor | None = None
+
+
+class FlowRLTrainer:
+    """Base of every trl_flow trainer. Subclasses set ``config_class`` and ``_method_name`` and implement
+    :meth:`compute_advantages` and :meth:`compute_loss`."""
+
+    config_class = FlowRLConfig
+    _method_name = "flow_rl"
+
+    # ------------------------------------------------------------------------------------------------ set-up
+    def __init__(self, config, pipe, reward_funcs, train_dataset=None, eval_dataset=None):
+        from accelerate import Accelerator
+
+        if not isinstance(config, self.config_class):
+            raise TypeError(f"config: expected a {self.config_class.__name__}, got {type(config).__name__}")
+        self.config = config
+        self.reward_funcs, self.reward_names, self.reward_weights = validate_reward_funcs(
+            reward_funcs, config.reward_weights
+        )
+        if train_dataset is None:
+            raise ValueError("train_dataset: required; pass a datasets.Dataset with a `prompt` column")
+        self.train_dataset = check_prompt_dataset(train_dataset, "train_dataset")
+        self.eval_dataset = check_prompt_dataset(eval_dataset, "eval_dataset") if eval_dataset is not None else None
+        if config.eval_steps and self.eval_dataset is None:
+            raise ValueError("eval_steps > 0 needs an eval_dataset; pass one or set eval_steps=0")
+        self.adapter = get_adapter(pipe)
+        self.pipe = pipe
+        factor = pipe.vae_scale_factor * getattr(pipe.transformer.config, "patch_size", 1)
+        if config.height % factor or config.width % factor:
+            raise ValueError(
+                f"height={config.height}, width={config.width}: must be multiples of {factor} "
+                "(VAE scale factor x transformer patch size) for this pipeline"
+            )
+        mp = "bf16" if config.bf16 else "fp16" if config.fp16 else "no"
+        self.accelerator = Accelerator(
+            mixed_precision=mp, log_with=config.report_to or None, project_dir=config.output_dir
+        )
+        if config.train_batch_size % self.accelerator.num_processes:
+            raise ValueError(
+                f"prompts_per_step * num_generations = {config.train_batch_size} must be divisible by the number "
+                f"of processes ({self.accelerator.num_processes})"
+            )
+        self.state = TrainerState()
+        self._check_rewards()
+        self._setup_model()
+        self._nonfinite_skipped = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    def _check_rewards(self):
+        """Call every reward once on two grey images before any model compute: a reward that raises or returns
+        the wrong length fails here, naming itself."""
+        rows = self.train_dataset[: min(2, len(self.train_dataset))]
+        prompts = rows.pop("prompt")
+        images = torch.full((len(prompts), 3, self.config.height, self.config.width), 0.5)
+        compute_rewards(self.reward_funcs, self.reward_names, self.reward_weights, images, prompts, rows)
+
+    def _setup_model(self):
+        cfg, acc = self.config, self.accelerator
+        pipe = self.pipe
+        self.weight_dtype = torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else torch.float32
+        pipe.to(acc.device)
+        for name, module in pipe.components.items():
+            if isinstance(module, torch.nn.Module):
+                module.requires_grad_(False)
+                module.eval()
+                if (name != "transformer" or cfg.finetune == "lora") and self.weight_dtype != torch.float32:
+                    module.to(dtype=self.weight_dtype)
+        transformer = pipe.transformer
+        self.ref_model = None
+        if cfg.finetune == "lora":
+            from peft import LoraConfig
+
+            targets = cfg.lora_target_modules or list(self.adapter.default_lora_target_modules)
+            transformer.add_adapter(
+                LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                           init_lora_weights=True, target_modules=targets)
+            )
+            for p in transformer.parameters():  # trainable LoRA weights stay float32
+                if p.requires_grad:
+                    p.data = p.data.float()
+        else:
+            if cfg.beta > 0:
+                self.ref_model = copy.deepcopy(transformer).requires_grad_(False).to(self.weight_dtype)
+            transformer.requires_grad_(True)
+        if cfg.gradient_checkpointing:
+            transformer.enable_gradient_checkpointing()
+        self.trainable_params = [p for p in transformer.parameters() if p.requires_grad]
+        if not self.trainable_params:
+            raise ValueError("lora_target_modules: no parameter of the transformer is trainable; check the names")
+        if cfg.optim == "adamw_8bit":
+            import bitsandbytes as bnb
+
+            opt_cls = bnb.optim.AdamW8bit
+        else:
+            opt_cls = torch.optim.AdamW
+        optimizer = opt_cls(self.trainable_params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                            eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
+        from transformers import get_scheduler
+
+        n_local = cfg.train_batch_size // acc.num_processes
+        n_micro = math.ceil(n_local / cfg.per_device_train_batch_size)
+        self.optimizer_steps_per_iteration = cfg.num_inner_epochs * math.ceil(n_micro / cfg.gradient_accumulation_steps)
+        self.lr_scheduler = get_scheduler(
+            cfg.lr_scheduler_type, optimizer, num_warmup_steps=cfg.warmup_steps,
+            num_training_steps=cfg.max_steps * self.optimizer_steps_per_iteration,
+        )
+        # The LR scheduler is not prepared (accelerate would step it once per process); it is checkpointed instead.
+        self.model, self.optimizer = acc.prepare(transformer, optimizer)
+        acc.register_for_checkpointing(self.lr_scheduler)
+        acc.register_for_checkpointing(self.state)
+        self.ema = None
+        if cfg.ema_decay > 0:
+            from diffusers.training_utils import EMAModel
+
+            self.ema = EMAModel(self.trainable_params, decay=cfg.ema_decay)
+            self.ema.to(acc.device)
+            acc.register_for_checkpointing(self.ema)
+        if cfg.finetune == "lora":
+            acc.register_save_state_pre_hook(self._save_lora_hook)
+            acc.register_load_state_pre_hook(self._load_lora_hook)
+
+    # -------------------------------------------------------------------------------------------- randomness
+    def _generator(self, step: int, purpose: str, per_process: bool = False, device="cpu") -> torch.Generator:
+        """A fresh generator for one purpose of one iteration, derived from (seed, step, purpose[, process])."""
+        rank = self.accelerator.process_index if per_process else -1
+        key = f"{self.config.seed}/{step}/{purpose}/{rank}".encode()
+        seed = int.from_bytes(hashlib.sha256(key).digest()[:7], "little")
+        return torch.Generator(device=device).manual_seed(seed)
+
+    # ---------------------------------------------------------------------------------------------- rollout
+    def _local_slice(self, n_global: int) -> slice:
+        n = n_global // self.accelerator.num_processes
+        r = self.accelerator.process_index
+        return slice(r * n, (r + 1) * n)
+
+    def _step_kinds(self, step: int) -> list[str]:
+        cfg = self.config
+        K = cfg.num_inference_steps
+        sde = None
+        if cfg.sde_window_size:
+            rng = cfg.sde_window_range if cfg.sde_window_range is not None else max(1, K // 2)
+            start = int(torch.randint(0, rng, (1,), generator=self._generator(step, "window")))
+            sde = torch.zeros(K, dtype=torch.bool)
+            sde[start : start + cfg.sde_window_size] = True
+        return step_samplers(cfg.sampler, K, sde)
+
+    def _autocast(self):
+        return self.accelerator.autocast() if self.weight_dtype != torch.float32 else contextlib.nullcontext()
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str], guidance_scale: float):
+        with self._autocast():
+            return self.adapter.encode_prompts(prompts, guidance_scale > 1, self.config.max_sequence_length)
+
+    def sample_prompts(self, step: int) -> tuple[list[str], dict[str, list], torch.Tensor]:
+        """This iteration's samples on this process: prompts, other columns and global group ids (each of N)."""
+        cfg = self.config
+        idx = prompt_indices(len(self.train_dataset), cfg.prompts_per_step, step, cfg.seed)
+        rows = self.train_dataset[idx]
+        group_ids = torch.arange(cfg.prompts_per_step).repeat_interleave(cfg.num_generations)
+        sl = self._local_slice(len(group_ids))
+        g_local = group_ids[sl]
+        prompts = [rows["prompt"][g] for g in g_local.tolist()]
+        columns = {k: [v[g] for g in g_local.tolist()] for k, v in rows.items() if k != "prompt"}
+        return prompts, columns, g_local
+
+    def sample(self, prompts, columns, group_ids, step, noise=None) -> Rollout:
+        """Sample one trajectory per entry of ``prompts`` with the configured kernel and store it."""
+        cfg = self.config
+        K = cfg.num_inference_steps
+        embeds = self.encode(prompts, cfg.guidance_scale)
+        schedule = self.adapter.schedule(K, cfg.height, cfg.width)
+        if noise is None:
+            noise = self.initial_noise(step)
+        kinds = self._step_kinds(step)
+        self.model.eval()
+        traj = sample_trajectories(
+            self.adapter, self.model, embeds, noise.to(self.device), schedule, kinds, cfg.noise_level,
+            cfg.guidance_scale, cfg.per_device_train_batch_size,
+            generator=self._generator(step, "sde", per_process=True, device=self.device),
+            logprob_reduction=cfg.logprob_reduction, autocast=self._autocast,
+        )
+        stochastic = torch.tensor([k != "ode" for k in kinds], device=self.device) & (traj["stds"] > 0)
+        rollout = Rollout(
+            prompts=list(prompts), columns=columns, group_ids=group_ids, embeds=embeds, schedule=schedule,
+            states=traj["states"], log_probs=traj["log_probs"], means=traj["means"], stds=traj["stds"],
+            train_mask=stochastic[None, :].expand(len(prompts), K).clone(),
+        )
+        rollout.extras["step_kinds"] = kinds
+        return rollout
+
+    def initial_noise(self, step: int) -> torch.Tensor:
+        """This process's initial noise (N, *L); identical across process counts (drawn globally, then sliced)."""
+        cfg = self.config
+        gen = self._generator(step, "noise")
+        if cfg.same_noise_per_group:
+            noise = self.adapter.initial_noise(cfg.prompts_per_step, cfg.height, cfg.width, gen)
+            noise = noise.repeat_interleave(cfg.num_generations, dim=0)
+        else:
+            noise = self.adapter.initial_noise(cfg.train_batch_size, cfg.height, cfg.width, gen)
+        return noise[self._local_slice(cfg.train_batch_size)]
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor, batch_size: int | None = None) -> torch.Tensor:
+        bs = batch_size or self.config.per_device_train_batch_size
+        with self._autocast():
+            return torch.cat([self.adapter.decode(latents[i : i + bs]) for i in range(0, len(latents), bs)])
+
+    def score(self, rollout: Rollout) -> None:
+        """Decode the final states, call the rewards, and mask samples that no reward scored."""
+        rollout.images = self.decode(rollout.states[:, -1])
+        t0 = time.perf_counter()
+        rollout.rewards, rollout.rewards_per_func = self.reward(rollout.images, rollout.prompts, rollout.columns)
+        rollout.extras["reward_s"] = rollout.extras.get("reward_s", 0.0) + time.perf_counter() - t0
+        nan = torch.isnan(rollout.rewards).to(rollout.train_mask.device)
+        rollout.train_mask &= ~nan[:, None]
+
+    def reward(self, images, prompts, columns):
+        return compute_rewards(self.reward_funcs, self.reward_names, self.reward_weights, images, prompts, columns)
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Concatenate a per-process tensor over processes (in process order), on CPU."""
+        if self.accelerator.num_processes == 1:
+            return t.cpu()
+        return self.accelerator.gather(t.to(self.device).contiguous()).cpu()
+
+    def make_rollout(self, step: int) -> Rollout:
+        """The data source: this iteration's prompts, sampled and scored. OP-GRPO overrides this."""
+        prompts, columns, group_ids = self.sample_prompts(step)
+        rollout = self.sample(prompts, columns, group_ids, step)
+        self.score(rollout)
+        return rollout
+
+    # ------------------------------------------------------------------------------------ method interface
+    def compute_advantages(self, rollout: Rollout) -> None:
+        """Set ``rollout.advantages`` ((N,) or (N, K)) for this process's samples."""
+        raise NotImplementedError
+
+    def compute_loss(self, rollout: Rollout, idx: torch.Tensor, k: int, out: StepOutput):
+        """Loss (scalar) of trained step ``k`` for the microbatch ``idx`` and per-sample stats {name: (B,)}."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------------------------------- update
+    @contextlib.contextmanager
+    def reference_policy(self):
+        """The reference policy for the KL term: adapters disabled (LoRA) or the frozen copy (full)."""
+        if self.ref_model is not None:
+            yield self.ref_model
+            return
+        model = self.accelerator.unwrap_model(self.model)
+        model.disable_adapters()
+        try:
+            yield model
+        finally:
+            model.enable_adapters()
+
+    def forward_step(self, rollout: Rollout, idx: torch.Tensor, k: int, need_ref: bool) -> StepOutput:
+        """Re-score the stored transition ``x_k -> x_{k+1}`` of samples ``idx`` under the current policy."""
+        cfg = self.config
+        kind = rollout.extras["step_kinds"][k]
+        sig = rollout.schedule.sigmas
+        x = rollout.states[idx, k]
+        emb = index_embeds(rollout.embeds, idx)
+        t = rollout.schedule.timesteps[k]
+        with self._autocast():
+            v = self.adapter.velocity(self.model, x, t, emb, cfg.guidance_scale)
+        _, log_prob, mean, std = sde_step(kind, x, v, sig[k], sig[k + 1], cfg.noise_level,
+                                          prev_sample=rollout.states[idx, k + 1],
+                                          logprob_reduction=cfg.logprob_reduction)
+        ref_mean = None
+        if need_ref:
+            with torch.no_grad(), self.reference_policy() as ref, self._autocast():
+                v_ref = self.adapter.velocity(ref, x, t, emb, cfg.guidance_scale)
+            ref_mean, _ = kernel_mean_std(kind, x, v_ref, sig[k], sig[k + 1], cfg.noise_level)
+        return StepOutput(log_prob=log_prob, mean=mean, std=std, ref_mean=ref_mean)
+
+    def optimize(self, rollout: Rollout, step: int) -> dict[str, float]:
+        """``num_inner_epochs`` passes over the rollout; one optimizer step per ``gradient_accumulation_steps``
+        microbatches, each microbatch accumulating over all trained steps."""
+        cfg, acc = self.config, self.accelerator
+        n = len(rollout)
+        mb = cfg.per_device_train_batch_size
+        trained_steps = [k for k in range(rollout.schedule.num_steps) if bool(rollout.train_mask[:, k].any())
+                         or (rollout.extras["step_kinds"][k] != "ode" and float(rollout.stds[k]) > 0)]
+        sums, counts = defaultdict(float), defaultdict(float)
+        first_dev = 0.0
+        grad_norms = []
+        self.model.train()
+        for epoch in range(cfg.num_inner_epochs):
+            # Epoch 0 keeps the rollout's batch composition, so its log-probs are recomputed bit for bit.
+            order = (torch.arange(n) if epoch == 0
+                     else torch.randperm(n, generator=self._generator(step, f"shuffle{epoch}", per_process=True)))
+            batches = [order[i : i + mb].to(self.device) for i in range(0, n, mb)]
+            groups = [batches[i : i + cfg.gradient_accumulation_steps]
+                      for i in range(0, len(batches), cfg.gradient_accumulation_steps)]
+            for g_i, group in enumerate(groups):
+                n_backward = len(group) * len(trained_steps)
+                for b_i, idx in enumerate(group):
+                    for s_i, k in enumerate(trained_steps):
+                        last = b_i == len(group) - 1 and s_i == len(trained_steps) - 1
+                        sync = contextlib.nullcontext() if last else acc.no_sync(self.model)
+                        with sync:
+                            out = self.forward_step(rollout, idx, k, need_ref=cfg.beta > 0)
+                            loss, stats = self.compute_loss(rollout, idx, k, out)
+                            if not torch.isfinite(loss):
+                                loss = torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0) * 0.0
+                                self._nonfinite_skipped += 1
+                            acc.backward(loss / n_backward)
+                        mask = rollout.train_mask[idx, k]
+                        for name, val in stats.items():
+                            sel = val.detach()[mask]
+                            if name == "ratio" and sel.numel():
+                                sums["ratio_max"] = max(sums.get("ratio_max", -math.inf), float(sel.max()))
+                                sums["ratio_min"] = min(sums.get("ratio_min", math.inf), float(sel.min()))
+                                if epoch == 0 and g_i == 0:
+                                    first_dev = max(first_dev, float((sel - 1).abs().max()))
+                            sums[name] += float(sel.sum())
+                            counts[name] += sel.numel()
+                        sums["loss"] += float(loss.detach())
+                        counts["loss"] += 1
+                grad_norms.append(self._optimizer_step())
+        metrics = {name: sums[name] / max(counts[name], 1) for name in counts}
+        metrics["clip_frac"] = metrics.pop("clipped", 0.0)
+        for name in ("ratio_max", "ratio_min"):
+            if name in sums:
+                metrics[name] = sums[name]
+        metrics["ratio_first_max_dev"] = first_dev
+        finite = [g for g in grad_norms if math.isfinite(g)]
+        metrics["grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
+        metrics["nonfinite_skipped"] = self._nonfinite_skipped
+        metrics["learning_rate"] = self.lr_scheduler.get_last_lr()[0]
+        return metrics
+
+    def _optimizer_step(self) -> float:
+        """Clip, check, step. A non-finite gradient skips the step: weights, optimizer and EMA stay untouched."""
+        cfg, acc = self.config, self.accelerator
+        if cfg.max_grad_norm > 0:
+            norm = acc.clip_grad_norm_(self.trainable_params, cfg.max_grad_norm)
+        else:
+            norm = torch.linalg.vector_norm(
+                torch.stack([p.grad.detach().float().norm() for p in self.trainable_params if p.grad is not None]))
+        norm = float(norm)
+        if not math.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            self._nonfinite_skipped += 1
+            return norm
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.step(self.trainable_params)
+        return norm
+
+    # --------------------------------------------------------------------------------------------- loop
+    def train(self, resume_from_checkpoint: str | bool | None = None):
+        """Run ``max_steps`` iterations. ``resume_from_checkpoint``: a checkpoint folder, or True / "latest" for
+        the newest ``checkpoint-*`` in ``output_dir``. Returns the trainer state."""
+        from tqdm.auto import tqdm
+
+        cfg, acc = self.config, self.accelerator
+        resume = resume_from_checkpoint if resume_from_checkpoint is not None else cfg.resume_from_checkpoint
+        if resume:
+            self.load_checkpoint(resume)
+        if acc.is_main_process:
+            os.makedirs(cfg.output_dir, exist_ok=True)
+        if cfg.report_to:
+            acc.init_trackers(cfg.run_name or self._method_name, config=_flat_config(cfg))
+        start = self.state.global_step
+        bar = tqdm(total=cfg.max_steps, initial=start, desc=self._method_name,
+                   disable=cfg.disable_tqdm or not acc.is_local_main_process)
+        if cfg.eval_steps and start == 0:
+            self.log(self.evaluate(), 0)
+        step = start
+        try:
+            for step in range(start, cfg.max_steps):
+                metrics = self.training_iteration(step)
+                self.state.global_step = step + 1
+                bar.update(1)
+                bar.set_postfix(reward=f"{metrics.get('reward', float('nan')):.4g}")
+                if (step + 1) % cfg.logging_steps == 0 or step + 1 == cfg.max_steps:
+                    self.log(metrics, step + 1)
+                if cfg.eval_steps and ((step + 1) % cfg.eval_steps == 0 or step + 1 == cfg.max_steps):
+                    self.log(self.evaluate(), step + 1)
+                if cfg.save_steps and ((step + 1) % cfg.save_steps == 0):
+                    self.save_checkpoint()
+        except KeyboardInterrupt:
+            # Nothing is lost: the weights, optimizer, EMA and extra state as they are now are saved and resumable.
+            self.save_checkpoint()
+            bar.close()
+            raise
+        bar.close()
+        if cfg.push_to_hub:
+            self.push_to_hub()
+        if cfg.report_to:
+            acc.end_training()
+        return self.state
+
+    def training_iteration(self, step: int) -> dict[str, float]:
+        """One iteration: rollout (with rewards), advantages, update. Returns its metrics."""
+        t0 = time.perf_counter()
+        rollout = self.make_rollout(step)
+        t1 = time.perf_counter()
+        self.compute_advantages(rollout)
+        metrics = self.optimize(rollout, step)
+        t2 = time.perf_counter()
+        metrics.update(self.rollout_metrics(rollout))
+        metrics.update({"time/rollout_s": t1 - t0, "time/update_s": t2 - t1})
+        metrics.update(rollout.extras.get("metrics", {}))
+        if self.config.log_images_steps and (step + 1) % self.config.log_images_steps == 0:
+            self._save_grid(rollout.images, f"train_step_{step + 1}.png")
+        self.last_rollout = rollout
+        return metrics
+
+    def rollout_metrics(self, rollout: Rollout) -> dict[str, float]:
+        rewards = self.gather(rollout.rewards)
+        m = {"reward": _nanmean(rewards), "reward_std": _nanstd(rewards),
+             "no_reward_frac": float(torch.isnan(rewards).float().mean())}
+        for name, r in rollout.rewards_per_func.items():
+            m[f"rewards/{name}"] = _nanmean(self.gather(r))
+        if rollout.advantages is not None:
+            m["advantage_abs"] = float(self.gather(rollout.advantages.float()).abs().mean())
+        m["time/reward_s"] = rollout.extras.get("reward_s", 0.0)
+        return m
+
+    def log(self, metrics: dict, step: int) -> None:
+        entry = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        self.state.log_history.append(entry)
+        if self.config.report_to:
+            self.accelerator.log({k: v for k, v in entry.items() if k != "step"}, step=step)
+        if self.accelerator.is_main_process:
+            os.makedirs(self.config.output_dir, exist_ok=True)
+            with open(os.path.join(self.config.output_dir, "log_history.jsonl"), "a") as f:
+                f.write(json.dumps(entry) + "\n")
+
+    # ----------------------------------------------------------------------------------------- evaluation
+    @contextlib.contextmanager
+    def ema_weights(self):
+        """Swap the EMA weights in (if EMA is on) for evaluation or saving."""
+        if self.ema is None:
+            yield
+            return
+        self.ema.store(self.trainable_params)
+        self.ema.copy_to(self.trainable_params)
+        try:
+            yield
+        finally:
+            self.ema.restore(self.trainable_params)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str], seed: int = 0, num_inference_steps: int | None = None,
+                 guidance_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Deterministic (ODE) samples of the current policy: images (B, 3, H, W) in [0, 1] and latents."""
+        cfg = self.config
+        K = num_inference_steps or cfg.eval_num_inference_steps
+        gs = guidance_scale if guidance_scale is not None else (
+            cfg.eval_guidance_scale if cfg.eval_guidance_scale is not None else cfg.guidance_scale)
+        gen = torch.Generator().manual_seed(seed)
+        noise = self.adapter.initial_noise(len(prompts), cfg.height, cfg.width, gen).to(self.device)
+        embeds = self.encode(prompts, gs)
+        schedule = self.adapter.schedule(K, cfg.height, cfg.width)
+        self.model.eval()
+        traj = sample_trajectories(self.adapter, self.model, embeds, noise, schedule, ["ode"] * K, 0.0, gs,
+                                   cfg.per_device_eval_batch_size, autocast=self._autocast)
+        latents = traj["states"][:, -1]
+        return self.decode(latents, cfg.per_device_eval_batch_size), latents
+
+    @torch.no_grad()
+    def evaluate(self, eval_dataset=None) -> dict[str, float]:
+        """ODE samples (``eval_num_inference_steps``) of the eval prompts with a fixed noise seed, scored by every
+        reward. Returns ``eval/reward`` and ``eval/<reward name>``; saves a grid to output_dir/samples."""
+        ds = check_prompt_dataset(eval_dataset, "eval_dataset") if eval_dataset is not None else self.eval_dataset
+        if ds is None:
+            raise ValueError("evaluate: no eval_dataset; pass one to the trainer or to evaluate()")
+        acc = self.accelerator
+        rows = ds[:]
+        prompts = rows.pop("prompt")
+        n = len(prompts)
+        per = math.ceil(n / acc.num_processes)
+        lo, hi = acc.process_index * per, min(n, (acc.process_index + 1) * per)
+        with self.ema_weights():
+            gen_seed = self.config.seed + 10_007 * (acc.process_index + 1)
+            images, _ = self.generate(prompts[lo:hi], seed=gen_seed) if hi > lo else (None, None)
+        if hi > lo:
+            total, per_func = self.reward(images, prompts[lo:hi], {k: v[lo:hi] for k, v in rows.items()})
+        else:
+            total, per_func = torch.zeros(0), {k: torch.zeros(0) for k in self.reward_names}
+        m = {"eval/reward": _nanmean(_gather_object(acc, total))}
+        for name, r in per_func.items():
+            m[f"eval/{name}"] = _nanmean(_gather_object(acc, r))
+        if images is not None:
+            self._save_grid(images[:64], f"eval_step_{self.state.global_step}.png")
+        self.last_eval_images = images
+        return m
+
+    def _save_grid(self, images: torch.Tensor, filename: str) -> None:
+        if not self.accelerator.is_main_process or images is None or not len(images):
+            return
+        from diffusers.utils import make_image_grid
+        from PIL import Image
+
+        arr = (images[:64].detach().float().clamp(0, 1).cpu().permute(0, 2, 3, 1).numpy() * 255).round()
+        pil = [Image.fromarray(a.astype("uint8")) for a in arr]
+        cols = min(8, len(pil))
+        rows = math.ceil(len(pil) / cols)
+        pil += [Image.new("RGB", pil[0].size)] * (rows * cols - len(pil))
+        out = os.path.join(self.config.output_dir, "samples")
+        os.makedirs(out, exist_ok=True)
+        make_image_grid(pil, rows=rows, cols=cols).save(os.path.join(out, filename))
+
+    # ---------------------------------------------------------------------------------------- checkpoints
+    def _save_lora_hook(self, models, weights, output_dir):
+        from peft.utils import get_peft_model_state_dict
+        from safetensors.torch import save_file
+
+        if self.accelerator.is_main_process:
+            sd = get_peft_model_state_dict(self.accelerator.unwrap_model(models[0]))
+            save_file({k: v.detach().contiguous().cpu() for k, v in sd.items()},
+                      os.path.join(output_dir, "adapter_state.safetensors"))
+        weights.clear()  # only the adapter is saved, not the frozen base weights
+
+    def _load_lora_hook(self, models, input_dir):
+        from peft.utils import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        model = models.pop()
+        sd = load_file(os.path.join(input_dir, "adapter_state.safetensors"))
+        result = set_peft_model_state_dict(self.accelerator.unwrap_model(model), sd)
+        if getattr(result, "unexpected_keys", None):
+            raise RuntimeError(f"checkpoint {input_dir}: unexpected adapter keys {result.unexpected_keys[:4]}")
+
+    def save_checkpoint(self) -> str:
+        """accelerate ``save_state`` into ``output_dir/checkpoint-<step>`` (rotated by ``save_total_limit``)."""
+        cfg = self.config
+        path = os.path.join(cfg.output_dir, f"checkpoint-{self.state.global_step}")
+        self.accelerator.save_state(path)
+        if self.accelerator.is_main_process:
+            self.save_extra_state(path)
+            with open(os.path.join(path, "trainer_config.json"), "w") as f:
+                json.dump(_flat_config(cfg), f, indent=2)
+            if cfg.save_total_limit:
+                for old in _sorted_checkpoints(cfg.output_dir)[: -cfg.save_total_limit]:
+                    shutil.rmtree(old, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+        return path
+
+    def load_checkpoint(self, path: str | bool) -> None:
+        if path is True or path == "latest":
+            found = _sorted_checkpoints(self.config.output_dir)
+            if not found:
+                raise ValueError(f"resume_from_checkpoint: no checkpoint-* folder in {self.config.output_dir}")
+            path = found[-1]
+        if not os.path.isdir(path):
+            raise ValueError(f"resume_from_checkpoint: {path} is not a folder")
+        self.accelerator.load_state(path)
+        self.load_extra_state(path)
+
+    def save_extra_state(self, path: str) -> None:
+        """Method-specific state to save with a checkpoint (OP-GRPO: the replay buffer)."""
+
+    def load_extra_state(self, path: str) -> None:
+        """Restore what :meth:`save_extra_state` wrote."""
+
+    # ------------------------------------------------------------------------------------- export, hub
+    def save_model(self, output_dir: str | None = None) -> str:
+        """Write the trained weights in diffusers format (EMA weights if EMA is on).
+
+        LoRA: ``pytorch_lora_weights.safetensors`` via the pipeline's ``save_lora_weights``, with the adapter
+        metadata (so ``lora_alpha != r`` round-trips): ``pipe.load_lora_weights(output_dir)`` works.
+        Full fine-tuning: the whole pipeline via ``save_pretrained``.
+        """
+        output_dir = output_dir or self.config.output_dir
+        acc = self.accelerator
+        acc.wait_for_everyone()
+        model = acc.unwrap_model(self.model)
+        with self.ema_weights():
+            if acc.is_main_process:
+                os.makedirs(output_dir, exist_ok=True)
+                if self.config.finetune == "lora":
+                    from peft.utils import get_peft_model_state_dict
+
+                    sd = {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(model).items()}
+                    metadata = model.peft_config["default"].to_dict()
+                    self.adapter.save_lora_weights(output_dir, sd, metadata)
+                else:
+                    self.pipe.save_pretrained(output_dir)
+        acc.wait_for_everyone()
+        return output_dir
+
+    def push_to_hub(self, commit_message: str = "End of training", private: bool | None = None) -> str:
+        """Save the model to ``output_dir`` and upload it (no checkpoints) to ``hub_model_id`` with a model card."""
+        from huggingface_hub import create_repo, upload_folder
+
+        cfg = self.config
+        self.save_model(cfg.output_dir)
+        repo_id = cfg.hub_model_id or os.path.basename(os.path.abspath(cfg.output_dir))
+        if not self.accelerator.is_main_process:
+            return repo_id
+        repo_id = create_repo(repo_id, exist_ok=True,
+                              private=private if private is not None else cfg.hub_private_repo).repo_id
+        self._write_model_card(repo_id)
+        upload_folder(repo_id=repo_id, folder_path=cfg.output_dir, commit_message=commit_message,
+                      ignore_patterns=["checkpoint-*", "checkpoint-*/**", "*.pkl", "runs/**"])
+        return repo_id
+
+    def _write_model_card(self, repo_id: str) -> None:
+        from diffusers.utils.hub_utils import load_or_create_model_card, populate_model_card
+
+        base = getattr(self.pipe, "name_or_path", None) or self.pipe.config.get("_name_or_path")
+        last = self.state.log_history[-1] if self.state.log_history else {}
+        desc = (f"# {repo_id}\n\nLoRA trained with trl_flow's `{type(self).__name__}` ({self.paper}) for "
+                f"{self.state.global_step} iterations on rewards {', '.join(self.reward_names)}.\n\n"
+                f"Last logged metrics: {json.dumps({k: round(v, 5) for k, v in last.items()})}\n\n"
+                "```python\npipe.load_lora_weights(\"" + repo_id + "\")\n```\n")
+        card = load_or_create_model_card(repo_id, from_training=True, base_model=base, model_description=desc,
+                                         inference=True)
+        card = populate_model_card(card, tags=["trl_flow", self._method_name, "lora", "reinforcement-learning"])
+        card.save(os.path.join(self.config.output_dir, "README.md"))
+
+    paper = ""
+
+
+def _sorted_checkpoints(output_dir: str) -> list[str]:
+    if not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in os.listdir(output_dir):
+        m = re.fullmatch(r"checkpoint-(\d+)", name)
+        if m and os.path.isdir(os.path.join(output_dir, name)):
+            found.append((int(m.group(1)), os.path.join(output_dir, name)))
+    return [p for _, p in sorted(found)]
+
+
+def _flat_config(cfg) -> dict:
+    return {k: (v if isinstance(v, (int, float, str, bool)) or v is None else str(v)) for k, v in cfg.to_dict().items()}
+
+
+def _nanmean(t: torch.Tensor) -> float:
+    t = t.float()
+    ok = ~torch.isnan(t)
+    return float(t[ok].mean()) if ok.any() else float("nan")
+
+
+def _nanstd(t: torch.Tensor) -> float:
+    t = t.float()
+    ok = ~torch.isnan(t)
+    return float(t[ok].std(unbiased=False)) if ok.sum() > 1 else 0.0
+
+
+def _gather_object(acc, t: torch.Tensor) -> torch.Tensor:
+    if acc.num_processes == 1:
+        return t
+    from accelerate.utils import gather_object
+
+    return torch.tensor(gather_object(t.tolist()))
