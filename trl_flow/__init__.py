@@ -6,7 +6,8 @@ prompts (data.py) -> rollout (rollout.py, kernels.py, models/) -> rewards (rewar
 
 from .kernels import gaussian_kl, sde_step
 from .rewards import jpeg_compressibility, jpeg_incompressibility
-from .trainers import FlowGRPOConfig, FlowGRPOTrainer, FlowRLConfig, FlowRLTrainer
+from .replay_buffer import ReplayBuffer, ReplayEntry
+from .trainers import FlowGRPOConfig, FlowGRPOTrainer, FlowRLConfig, FlowRLTrainer, OPGRPOConfig, OPGRPOTrainer
 
 __version__ = "0.1.0.dev0"
 
@@ -15,6 +16,10 @@ __all__ = [
     "FlowGRPOTrainer",
     "FlowRLConfig",
     "FlowRLTrainer",
+    "OPGRPOConfig",
+    "OPGRPOTrainer",
+    "ReplayBuffer",
+    "ReplayEntry",
     "gaussian_kl",
     "jpeg_compressibility",
     "jpeg_incompressibility",

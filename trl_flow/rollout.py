@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .kernels import sde_step
+from .kernels import kernel_mean_std, sde_step
 from .models import FlowAdapter, PromptEmbeds, Schedule, index_embeds
 
 
@@ -97,12 +97,19 @@ def sample_trajectories(
 
     autocast = autocast or contextlib.nullcontext
     x_all = noise if start_states is None else start_states
+    if x_all is None:
+        raise ValueError("sample_trajectories: pass noise or start_states")
     n, K = x_all.shape[0], schedule.num_steps
     sig = schedule.sigmas
     states = torch.zeros((n, K + 1, *x_all.shape[1:]), dtype=torch.float32, device=x_all.device)
     means = torch.zeros((n, K, *x_all.shape[1:]), dtype=torch.float32, device=x_all.device)
     log_probs = torch.zeros((n, K), dtype=torch.float32, device=x_all.device)
-    stds = torch.zeros(K, dtype=torch.float32, device=x_all.device)
+    # The std of a step depends only on the schedule and the kernel, not on the state.
+    probe = torch.zeros(1, 1, device=x_all.device)
+    stds = torch.stack([
+        kernel_mean_std(step_kinds[k], probe, probe, sig[k], sig[k + 1], noise_level)[1].reshape(-1)[0]
+        for k in range(K)
+    ]).float()
     for lo in range(0, n, batch_size):
         idx = slice(lo, min(lo + batch_size, n))
         x = x_all[idx].float()
@@ -118,5 +125,36 @@ def sample_trajectories(
             states[idx, k + 1] = x
             means[idx, k] = mean
             log_probs[idx, k] = lp
-            stds[k] = std.reshape(-1)[0]
     return {"states": states, "log_probs": log_probs, "means": means, "stds": stds}
+
+
+def concat_rollouts(parts: list[Rollout]) -> Rollout:
+    """Concatenate rollouts of the same schedule and step kinds along the sample dimension."""
+    from .models import cat_embeds
+
+    parts = [p for p in parts if len(p)]
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    for p in parts[1:]:
+        if (not torch.equal(p.schedule.sigmas, first.schedule.sigmas) or not torch.equal(p.stds, first.stds)
+                or p.extras.get("step_kinds") != first.extras.get("step_kinds")):
+            raise ValueError("concat_rollouts: rollouts must share the schedule and step kinds")
+
+    def cat(name):
+        vals = [getattr(p, name) for p in parts]
+        return None if any(v is None for v in vals) else torch.cat(vals)
+
+    return Rollout(
+        prompts=[q for p in parts for q in p.prompts],
+        columns={k: [v for p in parts for v in p.columns[k]] for k in first.columns},
+        group_ids=cat("group_ids"),
+        embeds=cat_embeds([p.embeds for p in parts]),
+        schedule=first.schedule,
+        states=cat("states"),
+        log_probs=cat("log_probs"),
+        means=cat("means"),
+        stds=first.stds,
+        train_mask=cat("train_mask"),
+        extras={"step_kinds": first.extras.get("step_kinds")},
+    )

@@ -224,21 +224,28 @@ class FlowRLTrainer:
         columns = {k: [v[g] for g in g_local.tolist()] for k, v in rows.items() if k != "prompt"}
         return prompts, columns, g_local
 
-    def sample(self, prompts, columns, group_ids, step, noise=None) -> Rollout:
-        """Sample one trajectory per entry of ``prompts`` with the configured kernel and store it."""
+    def sample(self, prompts, columns, group_ids, step, noise=None, start_states=None, start_step=0,
+               generator_purpose: str = "sde") -> Rollout:
+        """Sample one trajectory per entry of ``prompts`` with the configured kernel and store it.
+
+        ``noise``: (N, *L) initial states (default: :meth:`initial_noise`). ``start_states`` (N, *L) at
+        ``start_step``: continue stored trajectories from there instead (the earlier states/log-probs of the
+        returned rollout are zeros, for the caller to fill)."""
         cfg = self.config
         K = cfg.num_inference_steps
         embeds = self.encode(prompts, cfg.guidance_scale)
         schedule = self.adapter.schedule(K, cfg.height, cfg.width)
-        if noise is None:
+        if noise is None and start_states is None:
             noise = self.initial_noise(step)
         kinds = self._step_kinds(step)
         self.model.eval()
         traj = sample_trajectories(
-            self.adapter, self.model, embeds, noise.to(self.device), schedule, kinds, cfg.noise_level,
-            cfg.guidance_scale, cfg.per_device_train_batch_size,
-            generator=self._generator(step, "sde", per_process=True, device=self.device),
-            logprob_reduction=cfg.logprob_reduction, autocast=self._autocast,
+            self.adapter, self.model, embeds, None if noise is None else noise.to(self.device), schedule, kinds,
+            cfg.noise_level, cfg.guidance_scale, cfg.per_device_train_batch_size,
+            generator=self._generator(step, generator_purpose, per_process=True, device=self.device),
+            logprob_reduction=cfg.logprob_reduction,
+            start_states=None if start_states is None else start_states.to(self.device), start_step=start_step,
+            autocast=self._autocast,
         )
         stochastic = torch.tensor([k != "ode" for k in kinds], device=self.device) & (traj["stds"] > 0)
         rollout = Rollout(
@@ -369,6 +376,7 @@ class FlowRLTrainer:
                         mask = rollout.train_mask[idx, k]
                         for name, val in stats.items():
                             sel = val.detach()[mask]
+                            sel = sel[~torch.isnan(sel)]  # NaN marks "not part of this statistic"
                             if name == "ratio" and sel.numel():
                                 sums["ratio_max"] = max(sums.get("ratio_max", -math.inf), float(sel.max()))
                                 sums["ratio_min"] = min(sums.get("ratio_min", math.inf), float(sel.min()))

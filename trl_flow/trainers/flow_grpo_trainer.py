@@ -45,9 +45,13 @@ class FlowGRPOTrainer(FlowRLTrainer):
     def compute_loss(self, rollout, idx, k, out):
         cfg = self.config
         loss, stats = clipped_policy_loss(out.log_prob, rollout.log_probs[idx, k], rollout.advantages[idx],
-                                          cfg.clip_range)
+                                          cfg.clip_range, weights=self.importance_weights(rollout, idx, k))
         if cfg.beta > 0:
             kl = gaussian_kl(out.mean, out.ref_mean, out.std, cfg.logprob_reduction)
             loss = loss + cfg.beta * kl
             stats["kl"] = kl.detach()
         return masked_mean(loss, rollout.train_mask[idx, k]), stats
+
+    def importance_weights(self, rollout, idx, k):
+        """(B,) detached weights on the unclipped term, or None (on-policy). OP-GRPO overrides this."""
+        return None
