@@ -45,3 +45,43 @@ def prompt_indices(n: int, prompts_per_step: int, step: int, seed: int) -> list[
         pos = step * prompts_per_step + j
         out.append(_epoch_order(n, pos // n, seed)[pos % n])
     return out
+
+
+def load_prompts(source: str, split: str = "train"):
+    """Prompts as a ``datasets.Dataset`` with a ``prompt`` column, from:
+
+    - a ``.txt`` file: one prompt per non-empty line (e.g. Flow-GRPO's OCR prompts);
+    - a ``.jsonl`` file: one JSON object per line with a ``prompt`` key; every other key becomes a column, nested
+      values (lists, dicts) JSON-encoded as strings so that heterogeneous metadata (GenEval's ``include``) loads;
+    - anything else: ``datasets.load_dataset(source, split=split)`` (a Hub dataset or a local folder).
+    """
+    import json
+    import os
+
+    from datasets import Dataset, load_dataset
+
+    if source.endswith(".txt"):
+        with open(source, encoding="utf-8") as f:
+            prompts = [line.strip() for line in f if line.strip()]
+        return check_prompt_dataset(Dataset.from_dict({"prompt": prompts}), source)
+    if source.endswith(".jsonl"):
+        rows = []
+        with open(source, encoding="utf-8") as f:
+            for i, line in enumerate(f):
+                if line.strip():
+                    row = json.loads(line)
+                    if "prompt" not in row:
+                        raise ValueError(f"{source}: line {i + 1} has no `prompt` key")
+                    rows.append(row)
+        keys = sorted({k for r in rows for k in r}, key=lambda k: (k != "prompt", k))
+        cols = {}
+        for k in keys:
+            vals = [r.get(k) for r in rows]
+            nested = any(isinstance(v, (list, dict)) for v in vals)
+            cols[k] = [json.dumps(v) if nested else v for v in vals]
+        return check_prompt_dataset(Dataset.from_dict(cols), source)
+    if os.path.isdir(source) and os.path.exists(os.path.join(source, "dataset_info.json")):
+        from datasets import load_from_disk
+
+        return check_prompt_dataset(load_from_disk(source), source)
+    return check_prompt_dataset(load_dataset(source, split=split), source)

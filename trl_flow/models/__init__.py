@@ -16,4 +16,16 @@ def get_adapter(pipe) -> FlowAdapter:
     )
 
 
-__all__ = ["FlowAdapter", "PromptEmbeds", "Schedule", "SD3Adapter", "get_adapter", "cat_embeds", "index_embeds"]
+def load_pipeline(model_name_or_path: str, torch_dtype="float32", **kwargs):
+    """Load a supported diffusers pipeline (a Hub id such as ``stabilityai/stable-diffusion-3.5-medium`` or a local
+    folder) with ``DiffusionPipeline.from_pretrained`` and check that trl_flow has an adapter for it."""
+    import torch
+    from diffusers import DiffusionPipeline
+
+    dtype = getattr(torch, torch_dtype) if isinstance(torch_dtype, str) else torch_dtype
+    pipe = DiffusionPipeline.from_pretrained(model_name_or_path, torch_dtype=dtype, **kwargs)
+    get_adapter(pipe)  # fail early for an unsupported family
+    return pipe
+
+
+__all__ = ["load_pipeline", "FlowAdapter", "PromptEmbeds", "Schedule", "SD3Adapter", "get_adapter", "cat_embeds", "index_embeds"]
