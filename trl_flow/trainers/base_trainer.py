@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..data import check_prompt_dataset, prompt_indices
-from ..kernels import kernel_mean_std, sde_step
+from ..kernels import gaussian_kl, kernel_mean_std, sde_step
 from ..models import cat_embeds, get_adapter, index_embeds
 from ..rewards import compute_rewards, validate_reward_funcs
 from ..rollout import Rollout, sample_trajectories, step_samplers
@@ -314,6 +314,8 @@ class FlowRLTrainer:
         if self.ref_model is not None:
             yield self.ref_model
             return
+        if self.config.finetune == "full":
+            raise ValueError("finetune='full' keeps a frozen reference copy only when beta > 0; set beta > 0")
         model = self.accelerator.unwrap_model(self.model)
         model.disable_adapters()
         try:
@@ -531,6 +533,44 @@ class FlowRLTrainer:
                                    cfg.per_device_eval_batch_size, autocast=self._autocast)
         latents = traj["states"][:, -1]
         return self.decode(latents, cfg.per_device_eval_batch_size), latents
+
+    @torch.no_grad()
+    def kl_to_reference(self, prompts: list[str], seed: int = 0) -> torch.Tensor:
+        """Exact KL of the training kernel to the reference policy, along the policy's ODE trajectories.
+
+        For each prompt, the policy's deterministic trajectory over the training schedule
+        (``num_inference_steps``) is sampled with noise seeded by ``seed``; at every stochastic step ``k`` the
+        kernels of the policy and of the reference (adapters disabled / frozen copy) at ``x_k`` are compared with
+        :func:`~trl_flow.kernels.gaussian_kl` (``logprob_reduction``). Returns (B,) KLs summed over the steps.
+        """
+        cfg = self.config
+        K = cfg.num_inference_steps
+        gen = torch.Generator().manual_seed(seed)
+        noise = self.adapter.initial_noise(len(prompts), cfg.height, cfg.width, gen).to(self.device)
+        embeds = self.encode(prompts, cfg.guidance_scale)
+        schedule = self.adapter.schedule(K, cfg.height, cfg.width)
+        kinds = step_samplers(cfg.sampler, K, None)
+        self.model.eval()
+        traj = sample_trajectories(self.adapter, self.model, embeds, noise, schedule, ["ode"] * K, 0.0,
+                                   cfg.guidance_scale, cfg.per_device_eval_batch_size, autocast=self._autocast)
+        sig = schedule.sigmas
+        total = torch.zeros(len(prompts))
+        bs = cfg.per_device_eval_batch_size
+        for lo in range(0, len(prompts), bs):
+            idx = slice(lo, lo + bs)
+            emb = index_embeds(embeds, idx)
+            for k, kind in enumerate(kinds):
+                if kind == "ode":
+                    continue
+                x = traj["states"][idx, k]
+                with self._autocast():
+                    v = self.adapter.velocity(self.model, x, schedule.timesteps[k], emb, cfg.guidance_scale)
+                with self.reference_policy() as ref, self._autocast():
+                    v_ref = self.adapter.velocity(ref, x, schedule.timesteps[k], emb, cfg.guidance_scale)
+                mu, std = kernel_mean_std(kind, x, v, sig[k], sig[k + 1], cfg.noise_level)
+                mu_ref, _ = kernel_mean_std(kind, x, v_ref, sig[k], sig[k + 1], cfg.noise_level)
+                total[idx] += gaussian_kl(mu, mu_ref, std, cfg.logprob_reduction).cpu()
+        return total
 
     @torch.no_grad()
     def evaluate(self, eval_dataset=None) -> dict[str, float]:
