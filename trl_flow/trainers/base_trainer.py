@@ -131,10 +131,12 @@ class FlowRLTrainer:
             from peft import LoraConfig
 
             targets = cfg.lora_target_modules or list(self.adapter.default_lora_target_modules)
-            transformer.add_adapter(
-                LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                           init_lora_weights=True, target_modules=targets)
-            )
+            with torch.random.fork_rng(devices=[]):  # the LoRA init is a function of config.seed alone
+                torch.manual_seed(cfg.seed)
+                transformer.add_adapter(
+                    LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                               init_lora_weights=True, target_modules=targets)
+                )
             for p in transformer.parameters():  # trainable LoRA weights stay float32
                 if p.requires_grad:
                     p.data = p.data.float()

@@ -56,11 +56,16 @@ class OPGRPOTrainer(FlowGRPOTrainer):
         cfg = self.config
         P, G, k_off = cfg.prompts_per_step, cfg.num_generations, cfg.truncation_step
         rows = self.train_dataset[prompt_indices(len(self.train_dataset), P, step, cfg.seed)]
-        n_fresh_groups = P - min(round(P * cfg.off_policy_fraction), len(self.replay_buffer))
-        entries = self.replay_buffer.sample(P - n_fresh_groups, now=step, generator=self._generator(step, "replay"),
-                                            exclude=set(rows["prompt"][:n_fresh_groups]))
-        n_fresh_groups = P - len(entries)
-        groups = [(rows["prompt"][g], {c: rows[c][g] for c in rows if c != "prompt"}) for g in range(n_fresh_groups)]
+        n_off = min(round(P * cfg.off_policy_fraction), len(self.replay_buffer))
+        entries = self.replay_buffer.sample(n_off, now=step, generator=self._generator(step, "replay"),
+                                            exclude=set(rows["prompt"][: P - n_off]))
+        # Fresh groups: this iteration's rows in order, skipping replayed prompts (if the buffer returned fewer
+        # entries than asked, later rows fill in, never duplicating a replayed prompt).
+        replayed = {e.prompt for e in entries}
+        fresh_rows = [g for g in range(P) if rows["prompt"][g] not in replayed]
+        fresh_rows = (fresh_rows + [g for g in range(P) if g not in fresh_rows])[: P - len(entries)]
+        n_fresh_groups = len(fresh_rows)
+        groups = [(rows["prompt"][g], {c: rows[c][g] for c in rows if c != "prompt"}) for g in fresh_rows]
         groups += [(e.prompt, e.columns) for e in entries]
         # Global sample list: every group's fresh trajectories first, then one replayed trajectory per buffer group.
         plan = [(g, False) for g in range(P) for _ in range(G if g < n_fresh_groups else G - 1)]
@@ -106,17 +111,23 @@ class OPGRPOTrainer(FlowGRPOTrainer):
 
     def _replay_tails(self, entries, slots, step):
         """Reuse x_0..x_{k_off} and the behaviour log-probs of buffered trajectories; regenerate the tail."""
-        k_off = self.config.truncation_step
-        for e in entries:
+        cfg = self.config
+        k_off = cfg.truncation_step
+        latent = tuple(self.adapter.latent_shape(cfg.height, cfg.width))
+        sigmas = self.adapter.schedule(cfg.num_inference_steps, cfg.height, cfg.width).sigmas[: k_off + 1].cpu()
+        for e in entries:  # a buffer made under another config fails here, before any sampling
             if e.k_off != k_off:
                 raise ValueError(f"replay buffer: entry for {e.prompt!r} has k_off={e.k_off} but "
                                  f"truncation_step={k_off}; use a buffer made with the same truncation_step")
+            if tuple(e.states.shape[1:]) != latent:
+                raise ValueError(f"replay buffer: entry for {e.prompt!r} has latents {tuple(e.states.shape[1:])} "
+                                 f"but height={cfg.height}, width={cfg.width} give {latent}; start a new buffer")
+            if not torch.allclose(e.sigmas.float(), sigmas):
+                raise ValueError("replay buffer: the stored sigmas differ from this config's schedule "
+                                 "(num_inference_steps or the scheduler's shift changed); start a new buffer")
         states = torch.stack([e.states for e in entries]).to(self.device)
         part = self._sample_groups(slots, step, start_states=states[:, k_off], start_step=k_off,
                                    generator_purpose="sde_tail")
-        if not torch.allclose(entries[0].sigmas.to(self.device), part.schedule.sigmas[: k_off + 1]):
-            raise ValueError("replay buffer: the stored sigmas differ from this config's schedule "
-                             "(num_inference_steps or the scheduler's shift changed); start a new buffer")
         part.states[:, : k_off + 1] = states
         part.log_probs[:, :k_off] = torch.stack([e.log_probs for e in entries]).to(self.device)
         return part
