@@ -116,6 +116,8 @@ class FlowRLConfig:
                  f"window starts in [0, {rng}) plus size {self.sde_window_size} must end before the last step ({self.num_inference_steps - 1})")
         if self.reward_weights is not None:
             need(all(math.isfinite(float(w)) for w in self.reward_weights), "reward_weights", "weights must be finite numbers")
+        if self.report_to is None:  # TrlParser passes None for an unset list field
+            self.report_to = []
         if isinstance(self.report_to, str):
             self.report_to = [] if self.report_to in ("none", "") else [self.report_to]
         allowed = {"all", "wandb", "tensorboard", "comet_ml", "mlflow", "aim", "clearml", "dvclive", "trackio", "swanlab"}

@@ -365,6 +365,8 @@ class FlowRLTrainer:
             groups = [batches[i : i + cfg.gradient_accumulation_steps]
                       for i in range(0, len(batches), cfg.gradient_accumulation_steps)]
             for g_i, group in enumerate(groups):
+                if not self._any_trainable(rollout, group):
+                    continue  # no sample has a reward anywhere: no forward, no optimizer step, weights untouched
                 n_backward = len(group) * len(trained_steps)
                 for b_i, idx in enumerate(group):
                     for s_i, k in enumerate(trained_steps):
@@ -402,6 +404,13 @@ class FlowRLTrainer:
         metrics["nonfinite_skipped"] = self._nonfinite_skipped
         metrics["learning_rate"] = self.lr_scheduler.get_last_lr()[0]
         return metrics
+
+    def _any_trainable(self, rollout: Rollout, group: list[torch.Tensor]) -> bool:
+        """Whether any process has a trainable (sample, step) in this accumulation group (processes agree)."""
+        flag = torch.tensor([float(bool(rollout.train_mask[torch.cat(group)].any()))], device=self.device)
+        if self.accelerator.num_processes > 1:
+            flag = self.accelerator.reduce(flag, reduction="sum")
+        return bool(flag.item() > 0)
 
     def _optimizer_step(self) -> float:
         """Clip, check, step. A non-finite gradient skips the step: weights, optimizer and EMA stay untouched."""
@@ -461,6 +470,7 @@ class FlowRLTrainer:
             bar.close()
             raise
         bar.close()
+        self.model.eval()
         if cfg.push_to_hub:
             self.push_to_hub()
         if cfg.report_to:
