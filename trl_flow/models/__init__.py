@@ -23,6 +23,12 @@ def load_pipeline(model_name_or_path: str, torch_dtype="float32", **kwargs):
     from diffusers import DiffusionPipeline
 
     dtype = getattr(torch, torch_dtype) if isinstance(torch_dtype, str) else torch_dtype
+    # Components saved as absent (e.g. an SD3 pipeline without T5: `"text_encoder_3": [null, null]`) must be
+    # passed as None explicitly to from_pretrained.
+    index = DiffusionPipeline.load_config(model_name_or_path)
+    for name, value in index.items():
+        if not name.startswith("_") and isinstance(value, (list, tuple)) and list(value) == [None, None]:
+            kwargs.setdefault(name, None)
     pipe = DiffusionPipeline.from_pretrained(model_name_or_path, torch_dtype=dtype, **kwargs)
     get_adapter(pipe)  # fail early for an unsupported family
     return pipe
