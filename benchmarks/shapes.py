@@ -34,7 +34,7 @@ from trl_flow.tasks import shapes
 BASE = dict(
     height=32, width=32, num_inference_steps=10, guidance_scale=shapes.DEFAULT_GUIDANCE_SCALE,
     max_sequence_length=shapes.MAX_SEQUENCE_LENGTH, num_generations=8, prompts_per_step=8,
-    per_device_train_batch_size=32, gradient_accumulation_steps=2, learning_rate=1e-3, clip_range=1e-3,
+    per_device_train_batch_size=32, gradient_accumulation_steps=2, learning_rate=5e-4, clip_range=1e-3,
     beta=0.0, noise_level=0.7, lora_r=16, lora_alpha=32, eval_num_inference_steps=shapes.DEFAULT_NUM_INFERENCE_STEPS,
     per_device_eval_batch_size=200, disable_tqdm=True, same_noise_per_group=False,
 )
@@ -52,13 +52,19 @@ METHODS = {
 SCORE = "partial"  # the rewarded quantity; strict is reported too
 
 
-def evaluate(trainer, prompts, categories, seed: int) -> dict:
+def evaluate(trainer, prompts, categories, seed: int, train_prompts=None) -> dict:
+    """Test-prompt scores (the benchmark's measure), KL to the base model, and train-prompt scores (to tell
+    'does not learn' from 'does not generalise')."""
     t0 = time.perf_counter()
     with trainer.ema_weights():
         images, _ = trainer.generate(prompts, seed=seed)
         kl = trainer.kl_to_reference(prompts[: min(len(prompts), 64)], seed=seed)
-    res = shapes.evaluate(images, prompts, categories)
-    return {"scores": res, "kl": float(kl.mean()), "eval_s": time.perf_counter() - t0}
+        out = {"scores": shapes.evaluate(images, prompts, categories), "kl": float(kl.mean())}
+        if train_prompts is not None:
+            tr_images, _ = trainer.generate(train_prompts[0], seed=seed)
+            out["train_scores"] = shapes.evaluate(tr_images, *train_prompts)
+    out["eval_s"] = time.perf_counter() - t0
+    return out
 
 
 def run_one(method: str, seed: int, steps: int, eval_every: int, per_category: int, out: str) -> dict:
@@ -72,7 +78,8 @@ def run_one(method: str, seed: int, steps: int, eval_every: int, per_category: i
     pipe = shapes.load_base_pipeline()
     trainer = tr_cls(config, pipe, [shapes.shapes_partial_reward], train_dataset=shapes.train_prompts())
     prompts, categories = shapes.benchmark.eval_prompts("test", per_category=per_category, seed=1234)
-    evals = [{"step": 0, "wall_s": 0.0, **evaluate(trainer, prompts, categories, seed=1234)}]
+    train_eval = shapes.benchmark.eval_prompts("train", per_category=per_category, seed=1234)
+    evals = [{"step": 0, "wall_s": 0.0, **evaluate(trainer, prompts, categories, seed=1234, train_prompts=train_eval)}]
     iters, wall = [], 0.0
     for step in range(steps):
         t0 = time.perf_counter()
@@ -81,7 +88,8 @@ def run_one(method: str, seed: int, steps: int, eval_every: int, per_category: i
         wall += time.perf_counter() - t0
         iters.append({"step": step + 1, "wall_s": wall, **{k: float(v) for k, v in m.items()}})
         if (step + 1) % eval_every == 0 or step + 1 == steps:
-            evals.append({"step": step + 1, "wall_s": wall, **evaluate(trainer, prompts, categories, seed=1234)})
+            evals.append({"step": step + 1, "wall_s": wall,
+                          **evaluate(trainer, prompts, categories, seed=1234, train_prompts=train_eval)})
         print(f"[{method} seed {seed}] step {step + 1}/{steps} reward {m['reward']:.3f} "
               f"eval {evals[-1]['scores']['overall'][SCORE]:.3f} ({wall:.0f}s)", flush=True)
     return {"method": method, "seed": seed, "config": {k: str(v) for k, v in config.to_dict().items()},
@@ -117,6 +125,10 @@ def summarise(runs: list[dict]) -> tuple[dict, str]:
             "final_partial": ms(finals[m]),
             "final_strict": ms([r["evals"][-1]["scores"]["overall"]["strict"] for r in rs]),
             "base_partial": ms([r["evals"][0]["scores"]["overall"][SCORE] for r in rs]),
+            "train_prompts_base_partial": ms([r["evals"][0]["train_scores"]["overall"][SCORE] for r in rs]),
+            "train_prompts_final_partial": ms([r["evals"][-1]["train_scores"]["overall"][SCORE] for r in rs]),
+            "final_train_reward_last5": ms([statistics.mean(i["reward"] for i in r["iterations"][-5:]) for r in rs]),
+            "first_train_reward_first5": ms([statistics.mean(i["reward"] for i in r["iterations"][:5]) for r in rs]),
             "final_cleanliness": ms([r["evals"][-1]["scores"]["overall"]["cleanliness"] for r in rs]),
             "final_kl": ms([r["evals"][-1]["kl"] for r in rs]),
             "per_category_final_strict": {
@@ -141,6 +153,9 @@ def summarise(runs: list[dict]) -> tuple[dict, str]:
              "| method | seeds | base | final partial | final strict | cleanliness | KL final | steps-to-target (rel.) "
              "| wall-to-target (rel.) | KL at target | clip frac | off-policy clip frac | s/iter |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines_train = ["", "Learning on the training prompts (same evaluation on train-split prompts; rollout reward):", "",
+                   "| method | train prompts: base | train prompts: final | rollout reward, first 5 iters | last 5 iters |",
+                   "|---|---|---|---|---|"]
 
     def f(pair, nd=3):
         if pair is None or pair[0] is None:
@@ -158,6 +173,9 @@ def summarise(runs: list[dict]) -> tuple[dict, str]:
                      f"{f(s['final_strict'])} | {f(s['final_cleanliness'])} | {f(s['final_kl'], 5)} | {rel_s} | "
                      f"{rel_w} | {f(kl_t, 5)} | {f(s['clip_frac'])} | {f(s['clip_frac_off_policy'])} | "
                      f"{f(s['time_per_iter_s'], 1)} |")
+        lines_train.append(f"| {m} | {f(s['train_prompts_base_partial'])} | {f(s['train_prompts_final_partial'])} | "
+                           f"{f(s['first_train_reward_first5'])} | {f(s['final_train_reward_last5'])} |")
+    lines += lines_train
     cats = list(next(iter(summary["methods"].values()))["per_category_final_strict"])
     lines += ["", "Final strict accuracy per category (mean over seeds):", "",
               "| method | " + " | ".join(cats) + " |", "|---|" + "---|" * len(cats)]
@@ -204,12 +222,18 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--per-category", type=int, default=20, help="eval prompts per category")
     ap.add_argument("--out", default="benchmarks/results/shapes")
     ap.add_argument("--quick", action="store_true", help="smoke run: 1 seed, flow_grpo + op_grpo, 3 iterations")
+    ap.add_argument("--summarise-only", action="store_true",
+                    help="rebuild table.md and the plots from an existing --out/results.json (e.g. a partial run)")
     args = ap.parse_args(argv)
+    if args.summarise_only:
+        with open(os.path.join(args.out, "results.json")) as f:
+            data = json.load(f)
+        return _write_outputs(data["runs"], data["args"], data["base"], args.out)
     if args.quick:
         args.methods, args.seeds, args.steps, args.eval_every, args.per_category = (
             ["flow_grpo", "op_grpo"], [0], 3, 2, 2)
@@ -223,12 +247,16 @@ def main(argv=None):
             runs.append(run_one(method, seed, args.steps, args.eval_every, args.per_category, args.out))
             with open(os.path.join(args.out, "results.json"), "w") as f:
                 json.dump({"args": vars(args), "base": BASE, "runs": runs}, f)
+    return _write_outputs(runs, vars(args), BASE, args.out)
+
+
+def _write_outputs(runs, args, base, out):
     summary, table = summarise(runs)
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"args": vars(args), "base": BASE, "summary": summary, "runs": runs}, f)
-    with open(os.path.join(args.out, "table.md"), "w") as f:
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump({"args": args, "base": base, "summary": summary, "runs": runs}, f)
+    with open(os.path.join(out, "table.md"), "w") as f:
         f.write(table)
-    plot(runs, args.out)
+    plot(runs, out)
     print(table)
     return summary
 

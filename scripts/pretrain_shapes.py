@@ -1,0 +1,238 @@
+#!/usr/bin/env python
+"""Pretrains the base pipeline of the shapes task on CPU.
+
+    python scripts/pretrain_shapes.py --minutes 30 --out trl_flow/tasks/shapes/base_model
+
+1. Renders ``--num-images`` ground-truth images of the TRAIN prompts (test prompts are never used), category
+   weights ``--category-weights``, and encodes them with the hand-set VAE (latents (N, 3, 16, 16)).
+2. Trains the ``SD3Transformer2DModel`` with rectified flow: x_t = (1 - t) x0 + t eps, target eps - x0,
+   logit-normal t, 10% empty captions, AdamW (0.9, 0.99), clip 1, warm-up then cosine decay to 0 over the run,
+   EMA. The number of steps is fixed up front: ``--steps``, or measured from ``--minutes`` after a short timing
+   run (the log prints the number, so ``--steps N`` reproduces a run exactly on any machine).
+3. Evaluates EMA and raw weights at scheduler shifts ``--eval-shifts`` on a validation set (train prompts, new
+   images), saves the best with ``save_pretrained`` (its shift in the scheduler config), and prints strict /
+   partial accuracy per category on the train and the held-out test prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from trl_flow.tasks.shapes import grammar, model  # noqa: E402
+from trl_flow.tasks.shapes.benchmark import evaluate_pipeline  # noqa: E402
+from trl_flow.tasks.shapes.reward import format_evaluation  # noqa: E402
+from trl_flow.tasks.shapes.render import render  # noqa: E402
+
+DEFAULT_WEIGHTS = "single=0.1,colors=0.2,counting=0.15,two_objects=0.2,position=0.35"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=model.BASE_MODEL_DIR, help="where save_pretrained writes the pipeline")
+    p.add_argument("--minutes", type=float, default=30.0, help="training wall-clock budget (sets --steps)")
+    p.add_argument("--steps", type=int, default=None, help="number of optimizer steps (overrides --minutes)")
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=200)
+    p.add_argument("--ema", type=float, default=0.999)
+    p.add_argument("--empty-prompt-prob", type=float, default=0.1)
+    p.add_argument("--num-images", type=int, default=50_000)
+    p.add_argument("--category-weights", default=DEFAULT_WEIGHTS)
+    p.add_argument("--eval-per-category", type=int, default=40)
+    p.add_argument("--eval-steps", type=int, default=model.DEFAULT_NUM_INFERENCE_STEPS)
+    p.add_argument("--eval-guidance", type=float, default=model.DEFAULT_GUIDANCE_SCALE)
+    p.add_argument("--eval-shifts", default="1,3")
+    p.add_argument("--save", choices=["best", "ema", "raw"], default="best")
+    p.add_argument("--state", default=None, help="optional path to save raw + EMA transformer state dicts")
+    p.add_argument("--log-every", type=int, default=100)
+    return p.parse_args(argv)
+
+
+def render_data(n: int, weights: dict[str, float], seed: int):
+    """Renders n training images; returns (uint8 images (n, 3, 32, 32), prompt indices (n,), prompt list)."""
+    ds = grammar.train_prompts()
+    prompts = list(ds["prompt"])
+    by_cat = {c: [i for i, cc in enumerate(ds["category"]) if cc == c] for c in grammar.CATEGORIES}
+    cats = [c for c in grammar.CATEGORIES if weights.get(c, 0) > 0]
+    probs = np.array([weights[c] for c in cats], dtype=np.float64)
+    probs /= probs.sum()
+    rng = np.random.default_rng(seed)
+    cat_idx = rng.choice(len(cats), size=n, p=probs)
+    idx = np.array([by_cat[cats[c]][rng.integers(len(by_cat[cats[c]]))] for c in cat_idx])
+    images = np.stack([render(prompts[i], rng) for i in idx])
+    return images, idx, prompts
+
+
+def lr_at(step: int, total: int, warmup: int) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    t_start = time.time()
+    weights = {k: float(v) for k, v in (kv.split("=") for kv in args.category_weights.split(","))}
+    print(f"args: {vars(args)}", flush=True)
+
+    pipe = model.build_pipeline(seed=args.seed)
+    transformer = pipe.transformer
+    n_params = sum(p.numel() for p in transformer.parameters())
+    print(f"transformer parameters: {n_params}", flush=True)
+
+    # ---- data: images -> latents, prompts -> embeddings (frozen encoders, computed once)
+    t0 = time.time()
+    images, prompt_idx, prompts = render_data(args.num_images, weights, args.seed)
+    with torch.no_grad():
+        latents = []
+        for i in range(0, len(images), 2048):
+            x = torch.from_numpy(images[i : i + 2048]).float() / 127.5 - 1.0
+            z = pipe.vae.encode(x).latent_dist.mean
+            latents.append((z - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor)
+        latents = torch.cat(latents)  # (N, 3, 16, 16)
+        pe, _, pooled, _ = pipe.encode_prompt(
+            prompts + [""], None, None, do_classifier_free_guidance=False,
+            max_sequence_length=model.MAX_SEQUENCE_LENGTH,
+        )  # (P + 1, 16 + MAX_SEQUENCE_LENGTH, 32), (P + 1, 64); last row = empty prompt
+    empty = len(prompts)
+    prompt_idx = torch.from_numpy(prompt_idx)
+    print(f"rendered/encoded {len(images)} images of {len(prompts)} train prompts in {time.time() - t0:.0f}s; "
+          f"latents {tuple(latents.shape)} mean {latents.mean():.3f} std {latents.std():.3f}", flush=True)
+    del images
+
+    # ---- training
+    transformer.train()
+    transformer.requires_grad_(True)
+    params = [p for p in transformer.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    ema = [p.detach().clone() for p in params]
+    gen = torch.Generator().manual_seed(args.seed + 1)
+
+    def train_step(step, total):
+        for g in opt.param_groups:
+            g["lr"] = args.lr * lr_at(step, total, args.warmup)
+        b = torch.randint(0, len(latents), (args.batch_size,), generator=gen)
+        x0 = latents[b]
+        pidx = prompt_idx[b].clone()
+        pidx[torch.rand(args.batch_size, generator=gen) < args.empty_prompt_prob] = empty
+        t = torch.sigmoid(torch.randn(args.batch_size, generator=gen))  # logit-normal
+        eps = torch.randn(x0.shape, generator=gen)
+        tt = t.view(-1, 1, 1, 1)
+        xt = (1 - tt) * x0 + tt * eps
+        pred = transformer(
+            hidden_states=xt, timestep=t * 1000, encoder_hidden_states=pe[pidx], pooled_projections=pooled[pidx],
+            return_dict=False,
+        )[0]
+        loss = torch.nn.functional.mse_loss(pred, eps - x0)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        with torch.no_grad():
+            torch._foreach_lerp_(ema, [p.detach() for p in params], 1 - args.ema)
+        return loss.item()
+
+    total = args.steps
+    step = 0
+    smooth = None
+    losses = []
+    t_train = time.time()
+    if total is None:  # timing run: these steps count as the first steps of the real run (warm-up phase)
+        calib = 40
+        for step in range(calib):
+            loss = train_step(step, 10**9)
+            if step == 9:
+                t_calib = time.time()
+            losses.append(loss)
+        sec = (time.time() - t_calib) / (calib - 10)
+        total = int((args.minutes * 60 - (time.time() - t_train)) / sec) + calib
+        step = calib
+        print(f"timing: {sec:.3f} s/step at batch {args.batch_size} with {args.threads} thread(s) -> "
+              f"--steps {total} for {args.minutes} min", flush=True)
+    while step < total:
+        loss = train_step(step, total)
+        losses.append(loss)
+        smooth = loss if smooth is None else 0.99 * smooth + 0.01 * loss
+        step += 1
+        if step % args.log_every == 0 or step == total:
+            el = time.time() - t_train
+            print(f"step {step}/{total} loss {loss:.4f} smoothed {smooth:.4f} lr {opt.param_groups[0]['lr']:.2e} "
+                  f"{el / step:.3f} s/step elapsed {el / 60:.1f} min", flush=True)
+    train_seconds = time.time() - t_train
+    final_loss = float(np.mean(losses[-200:]))
+    print(f"trained {total} steps in {train_seconds:.0f}s; mean loss of the last 200 steps {final_loss:.4f}",
+          flush=True)
+
+    # ---- choose EMA / raw weights and the shift on a validation set (train prompts, fresh images)
+    transformer.eval()
+    transformer.requires_grad_(False)
+    raw_state = copy.deepcopy(transformer.state_dict())
+    names = [n for n, p in transformer.named_parameters()]
+    ema_state = dict(raw_state)
+    ema_state.update({n: e.clone() for n, e in zip(names, ema)})
+    if args.state:
+        torch.save({"raw": raw_state, "ema": ema_state, "steps": total}, args.state)
+    candidates = ["ema", "raw"] if args.save == "best" else [args.save]
+    shifts = [float(s) for s in args.eval_shifts.split(",")]
+    results = {}
+    for which in candidates:
+        transformer.load_state_dict(ema_state if which == "ema" else raw_state)
+        for shift in shifts:
+            pipe.scheduler = model.build_scheduler(shift)
+            r = evaluate_pipeline(pipe, "train", args.eval_per_category, seed=1234,
+                                  num_inference_steps=args.eval_steps, guidance_scale=args.eval_guidance)
+            results[(which, shift)] = r
+            print(f"validation ({which}, shift {shift}, guidance {args.eval_guidance}, {args.eval_steps} steps): "
+                  f"strict {r['overall']['strict']:.3f} partial {r['overall']['partial']:.3f}", flush=True)
+    which, shift = max(results, key=lambda k: (results[k]["overall"]["strict"], results[k]["overall"]["partial"]))
+    transformer.load_state_dict(ema_state if which == "ema" else raw_state)
+    pipe.scheduler = model.build_scheduler(shift)
+    print(f"saving {which} weights with scheduler shift {shift} to {args.out}", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    pipe.save_pretrained(args.out)
+
+    # ---- final report on both splits (fresh seed), from the saved checkpoint
+    saved = model.load_base_pipeline(path=args.out)
+    report = {}
+    for split in ("train", "test"):
+        r = evaluate_pipeline(saved, split, args.eval_per_category, seed=0,
+                              num_inference_steps=args.eval_steps, guidance_scale=args.eval_guidance)
+        report[split] = r
+        print(f"\n{split} prompts ({which} weights, shift {shift}, guidance {args.eval_guidance}, "
+              f"{args.eval_steps} steps):\n{format_evaluation(r)}", flush=True)
+    info = {
+        "command": "python scripts/pretrain_shapes.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "steps": total,
+        "train_seconds": round(train_seconds, 1),
+        "threads": args.threads,
+        "final_loss_last200": round(final_loss, 4),
+        "weights": which,
+        "shift": shift,
+        "guidance_scale": args.eval_guidance,
+        "num_inference_steps": args.eval_steps,
+        "max_sequence_length": model.MAX_SEQUENCE_LENGTH,
+        "validation": {f"{w}_shift{s}": r["overall"] for (w, s), r in results.items()},
+        "evaluation": report,
+    }
+    with open(os.path.join(args.out, "training_info.json"), "w") as f:
+        json.dump(info, f, indent=1)
+    print(f"total wall-clock {(time.time() - t_start) / 60:.1f} min", flush=True)
+
+
+if __name__ == "__main__":
+    main()

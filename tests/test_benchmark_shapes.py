@@ -1,0 +1,40 @@
+"""The shapes benchmark harness in --quick mode produces every output file with sane values."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_quick_harness_writes_every_output(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_shapes", os.path.join(ROOT, "benchmarks", "shapes.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    summary = mod.main(["--quick", "--out", str(tmp_path)])
+    for name in ("results.json", "table.md", "score_vs_step.png", "score_vs_time.png", "score_vs_kl.png"):
+        assert os.path.getsize(tmp_path / name) > 100, name
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert {r["method"] for r in data["runs"]} == {"flow_grpo", "op_grpo"}
+    for run in data["runs"]:
+        assert [e["step"] for e in run["evals"]] == [0, 2, 3]
+        assert len(run["iterations"]) == 3
+        for e in run["evals"]:
+            o = e["scores"]["overall"]
+            assert 0 <= o["strict"] <= o["partial"] <= 1 and 0.5 < o["cleanliness"] <= 1
+            assert math.isfinite(e["kl"]) and e["kl"] >= 0
+        assert run["evals"][0]["kl"] < 1e-10  # before any update the policy is the base model
+        assert run["evals"][-1]["kl"] > 0     # after updates it has moved
+        for it in run["iterations"]:
+            assert it["ratio_first_max_dev"] == 0.0
+            assert it["time/rollout_s"] > 0 and it["time/update_s"] > 0
+    op_iters = [r for r in data["runs"] if r["method"] == "op_grpo"][0]["iterations"]
+    assert op_iters[-1]["buffer/size"] > 0 and any(i["off_policy_share"] > 0 for i in op_iters)
+    assert summary["target"] is not None and "flow_grpo" in summary["methods"]
+    table = (tmp_path / "table.md").read_text()
+    assert "| flow_grpo |" in table and "| op_grpo |" in table

@@ -1,0 +1,214 @@
+"""Tests of the shapes task (trl_flow.tasks.shapes): grammar, renderer, detector/rewards, base checkpoint."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from trl_flow.tasks import shapes
+from trl_flow.tasks.shapes import grammar, model, reward
+from trl_flow.tasks.shapes.render import render, render_batch
+
+
+# ------------------------------------------------------------------------------------------------- grammar
+
+
+def test_grammar_round_trip_and_sizes():
+    specs = grammar.all_specs()
+    counts = {c: sum(s.category == c for s in specs) for c in grammar.CATEGORIES}
+    assert counts == {"single": 9, "colors": 36, "counting": 18, "two_objects": 36, "position": 288}
+    prompts = [p for p, _ in grammar.all_prompts()]
+    assert len(set(prompts)) == len(prompts)
+    for spec in specs:
+        text = spec.to_prompt()
+        parsed = grammar.parse_prompt(text)
+        assert parsed == spec and parsed.category == spec.category
+        assert parsed.to_prompt() == text
+    assert len(grammar.all_specs(max_count=3)) == 387 + 9
+    for p, _ in grammar.all_prompts(max_count=4):
+        assert grammar.parse_prompt(p).to_prompt() == p
+
+
+def test_parse_examples_and_errors():
+    spec = grammar.parse_prompt("a red circle to the left of a blue square")
+    assert spec.category == "position" and spec.relation == "left"
+    assert [(o.color, o.shape, o.count) for o in spec.objects] == [("red", "circle", 1), ("blue", "square", 1)]
+    assert grammar.parse_prompt("two green triangles").objects[0] == grammar.ObjectSpec("green", "triangle", 2)
+    assert grammar.parse_prompt("one green triangle").category == "counting"
+    assert grammar.parse_prompt("a red circle").category == "single"
+    assert grammar.parse_prompt("a red square and a green circle").category == "colors"
+    assert grammar.parse_prompt("a red square and a red circle").category == "two_objects"
+    assert grammar.parse_prompt("a red circle below a red square").relation == "below"
+    for bad in ["a purple circle", "two green triangle", "a red circle and a red circle", "a red circle near a cat",
+                "", "a red"]:
+        with pytest.raises(ValueError):
+            grammar.parse_prompt(bad)
+
+
+def test_split_fixed_disjoint_and_held_out_by_combination():
+    train, test = grammar.train_prompts(), grammar.test_prompts()
+    assert set(train.column_names) == {"prompt", "category"} == set(test.column_names)
+    assert not set(train["prompt"]) & set(test["prompt"])
+    assert len(train) + len(test) == len(grammar.all_prompts())
+    assert set(train["category"]) == set(test["category"]) == set(grammar.CATEGORIES)
+    assert (len(train), len(test)) == (278, 109)
+    assert list(grammar.test_prompts()["prompt"]) == list(test["prompt"])  # deterministic
+    # no training prompt shows a held-out pair of (colour, shape) combinations together
+    held = grammar.held_out_pairs()
+    for p in train["prompt"]:
+        objs = grammar.parse_prompt(p).objects
+        if len(objs) == 2:
+            assert tuple(sorted([objs[0].combo, objs[1].combo])) not in held
+    for p, c in zip(test["prompt"], test["category"]):
+        objs = grammar.parse_prompt(p).objects
+        if c in ("colors", "two_objects", "position"):
+            assert tuple(sorted([objs[0].combo, objs[1].combo])) in held
+
+
+# ------------------------------------------------------------------------------------- renderer and reward
+
+
+def _sample_prompts(n, seed):
+    rng = np.random.default_rng(seed)
+    allp = grammar.all_prompts()
+    return [allp[i][0] for i in rng.integers(0, len(allp), n)]
+
+
+def test_render_shapes_and_dtypes():
+    img = render("two green triangles", rng=0)
+    assert img.shape == (3, 32, 32) and img.dtype == np.uint8
+    f = render("a red circle to the left of a blue square", rng=np.random.default_rng(1), dtype="float32")
+    assert f.dtype == np.float32 and f.min() >= 0 and f.max() <= 1
+    assert np.array_equal(render("a red circle", rng=5), render("a red circle", rng=5))
+    assert render("a red circle", rng=0, size=64, grid=1).shape == (3, 64, 64)
+
+
+def test_detector_agrees_with_renderer_and_rejects_noise():
+    prompts = _sample_prompts(300, seed=0)
+    images = render_batch(prompts, rng=1)  # (300, 3, 32, 32) in [0, 1]
+    strict = shapes.shapes_strict_reward(images, prompts)
+    assert np.mean(strict) >= 0.98
+    # what the pipeline's VAE keeps (2x2 average pool, nearest upsample) is scored the same
+    pooled = torch.nn.functional.interpolate(torch.nn.functional.avg_pool2d(images, 2), scale_factor=2)
+    assert np.mean(shapes.shapes_strict_reward(pooled, prompts)) >= 0.98
+    # full-resolution drawings and other sizes also pass
+    full = render_batch(prompts[:100], rng=2, size=32, grid=1)
+    assert np.mean(shapes.shapes_strict_reward(full, prompts[:100])) >= 0.98
+    # uniform noise: about 0
+    noise = torch.rand(300, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    assert np.mean(shapes.shapes_strict_reward(noise, prompts)) <= 0.02
+    partial = shapes.shapes_partial_reward(noise, prompts)
+    assert all(0.0 <= p <= 1.0 for p in partial) and np.mean(partial) < 0.2
+    # an image drawn for another prompt rarely passes, but gets partial credit
+    shuffled = images[torch.roll(torch.arange(300), 1)]
+    assert np.mean(shapes.shapes_strict_reward(shuffled, prompts)) < 0.1
+    partial = shapes.shapes_partial_reward(shuffled, prompts)
+    assert all(0.0 <= p <= 1.0 for p in partial) and 0.1 < np.mean(partial) < 0.8
+
+
+def test_score_partial_credit_and_relation():
+    img = render("a red circle to the left of a blue square", rng=3)
+    assert reward.score(img, "a red circle to the left of a blue square") == {"strict": 1.0, "partial": 1.0}
+    swapped = reward.score(img, "a red circle to the right of a blue square")
+    assert swapped["strict"] == 0.0 and swapped["partial"] == 9 / 10
+    s = reward.score(render("a red circle", rng=0), "two red circles")
+    assert s["strict"] == 0.0 and s["partial"] == 1 / 5  # only "a red circle is present"
+    assert reward.relations_between((0, 10, 5, 15), (20, 10, 25, 15)) == {"left"}
+    assert reward.relations_between((10, 0, 15, 5), (10, 20, 15, 25)) == {"above"}
+    assert reward.relations_between((0, 0, 5, 5), (1, 1, 6, 6)) == set()
+    # accepts uint8 CHW, float HWC and PIL
+    from PIL import Image
+
+    pil = Image.fromarray(img.transpose(1, 2, 0))
+    assert reward.score(pil, "a red circle to the left of a blue square")["strict"] == 1.0
+    assert reward.score(img.transpose(1, 2, 0) / 255.0, "a red circle to the left of a blue square")["strict"] == 1.0
+
+
+def test_reward_callables_follow_contract():
+    prompts = ["a red circle", "two blue squares", "a green triangle above a red square"]
+    images = render_batch(prompts, rng=0)
+    assert images.dtype == torch.float32 and images.shape == (3, 3, 32, 32)
+    for fn in (shapes.shapes_partial_reward, shapes.shapes_strict_reward):
+        out = fn(images, prompts, category=["single", "counting", "position"], metadata=[{}, {}, {}], step=[1, 1, 1])
+        assert isinstance(out, list) and len(out) == 3 and all(isinstance(v, float) for v in out)
+        assert out == [1.0, 1.0, 1.0]
+        assert isinstance(fn.__name__, str) and fn.__name__
+    assert shapes.shapes_partial_reward.__name__ != shapes.shapes_strict_reward.__name__
+    clean = shapes.shape_cleanliness(images)
+    assert isinstance(clean, list) and len(clean) == 3 and clean == [1.0, 1.0, 1.0]
+    gray = torch.full((2, 3, 32, 32), 0.5)
+    assert shapes.shape_cleanliness(gray) == [0.0, 0.0]
+    with pytest.raises(ValueError):
+        shapes.shapes_strict_reward(images, prompts[:2])
+
+
+def test_evaluate_per_category():
+    prompts = _sample_prompts(60, seed=4)
+    images = render_batch(prompts, rng=4)
+    result = shapes.evaluate(images, prompts, [grammar.parse_prompt(p).category for p in prompts])
+    assert result["overall"]["strict"] == 1.0 and result["overall"]["n"] == 60
+    assert set(result) - {"overall"} <= set(grammar.CATEGORIES)
+    for r in result.values():
+        assert set(r) == {"strict", "partial", "cleanliness", "n"}
+    assert shapes.evaluate(images, prompts)["overall"]["partial"] == 1.0  # categories parsed when omitted
+
+
+# --------------------------------------------------------------------------------------- model components
+
+
+def test_tokenizer_one_token_per_word_and_vae_round_trip():
+    tok = model.build_tokenizer()
+    for word in grammar.VOCABULARY:
+        assert len(tok.tokenize(word)) == 1, word
+    ids = tok("a green triangle to the right of a green square", padding="max_length",
+              max_length=model.TOKENIZER_MAX_LENGTH).input_ids
+    assert len(ids) == model.TOKENIZER_MAX_LENGTH and ids[0] == tok.bos_token_id and ids[11] == tok.eos_token_id
+    vae = model.build_vae()
+    x = render_batch(_sample_prompts(8, 5), rng=5) * 2 - 1  # (8, 3, 32, 32) in [-1, 1]
+    with torch.no_grad():
+        z = vae.encode(x).latent_dist.sample()
+        assert z.shape == (8, 3, 16, 16)
+        assert (z - torch.nn.functional.avg_pool2d(x, 2)).abs().max() < 1e-5
+        assert (vae.decode(z).sample - x).abs().max() < 1e-5
+
+
+# ------------------------------------------------------------------------------------------ base checkpoint
+
+
+@pytest.fixture(scope="module")
+def base_pipe():
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    return model.load_base_pipeline()
+
+
+def test_base_checkpoint_small_and_configured():
+    total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(model.BASE_MODEL_DIR) for f in fs)
+    assert total < 8 * 2**20
+    assert os.path.exists(os.path.join(model.BASE_MODEL_DIR, "model_index.json"))
+
+
+def test_base_pipeline_loads_and_generates(base_pipe):
+    import diffusers
+
+    pipe = base_pipe
+    assert isinstance(pipe, diffusers.StableDiffusion3Pipeline)
+    assert pipe.text_encoder_3 is None and pipe.tokenizer_3 is None
+    for name in ("transformer", "vae", "text_encoder", "text_encoder_2"):
+        assert not getattr(pipe, name).training, name
+    assert pipe.scheduler.config.shift == model.BASE_SHIFT
+    assert pipe.tokenizer.model_max_length == model.TOKENIZER_MAX_LENGTH
+    # the saved tokenizers are the word-level ones
+    fresh = model.build_tokenizer()
+    prompt = "a red circle to the left of a blue square"
+    assert pipe.tokenizer(prompt).input_ids == fresh(prompt).input_ids == pipe.tokenizer_2(prompt).input_ids
+    out = pipe("a red circle", height=32, width=32, num_inference_steps=2, guidance_scale=model.DEFAULT_GUIDANCE_SCALE,
+               max_sequence_length=model.MAX_SEQUENCE_LENGTH, generator=torch.Generator().manual_seed(0))
+    assert out.images[0].size == (32, 32)
+    out = pipe("two green triangles", height=32, width=32, num_inference_steps=2, guidance_scale=1.0,
+               output_type="pt")
+    assert out.images.shape == (1, 3, 32, 32)
+    images = model.generate(pipe, ["a red circle", "two blue squares"], seed=0, num_inference_steps=4)
+    assert images.shape == (2, 3, 32, 32) and images.min() >= 0 and images.max() <= 1
+    rewards = shapes.shapes_partial_reward(images, ["a red circle", "two blue squares"])
+    assert len(rewards) == 2 and all(0 <= r <= 1 for r in rewards)

@@ -1,0 +1,66 @@
+"""The shapes task: a CPU-scale GenEval-like text-to-image benchmark.
+
+Flat red / green / blue circles, squares and triangles on black, 32x32 images. ``grammar`` (prompts, parser,
+fixed train/test split), ``render`` (ground truth), ``reward`` (detector, scores, reward functions with the
+contract ``reward(images (B, 3, H, W) in [0, 1], prompts, **columns) -> list[float]``), ``model`` (the tiny
+StableDiffusion3 pipeline and its committed base checkpoint), ``benchmark`` (fixed evaluation sets).
+"""
+
+from .grammar import (
+    CATEGORIES,
+    COLORS,
+    RELATIONS,
+    SHAPES,
+    ObjectSpec,
+    PromptSpec,
+    all_prompts,
+    parse_prompt,
+    test_prompts,
+    train_prompts,
+)
+from .model import (
+    BASE_MODEL_DIR,
+    BASE_SHIFT,
+    DEFAULT_GUIDANCE_SCALE,
+    DEFAULT_NUM_INFERENCE_STEPS,
+    DEFAULT_RESOLUTION,
+    MAX_SEQUENCE_LENGTH,
+    build_pipeline,
+    generate,
+    load_base_pipeline,
+)
+from .render import render, render_batch
+from .reward import detect, evaluate, score, shape_cleanliness, shapes_partial_reward, shapes_strict_reward
+from .benchmark import eval_prompts, evaluate_pipeline
+
+__all__ = [
+    "CATEGORIES",
+    "COLORS",
+    "RELATIONS",
+    "SHAPES",
+    "ObjectSpec",
+    "PromptSpec",
+    "all_prompts",
+    "parse_prompt",
+    "test_prompts",
+    "train_prompts",
+    "BASE_MODEL_DIR",
+    "BASE_SHIFT",
+    "DEFAULT_GUIDANCE_SCALE",
+    "DEFAULT_NUM_INFERENCE_STEPS",
+    "DEFAULT_RESOLUTION",
+    "MAX_SEQUENCE_LENGTH",
+    "build_pipeline",
+    "generate",
+    "load_base_pipeline",
+    "render",
+    "render_batch",
+    "detect",
+    "evaluate",
+    "score",
+    "shape_cleanliness",
+    "shapes_partial_reward",
+    "shapes_strict_reward",
+    "eval_prompts",
+    "evaluate_pipeline",
+]
