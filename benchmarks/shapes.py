@@ -229,11 +229,22 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="smoke run: 1 seed, flow_grpo + op_grpo, 3 iterations")
     ap.add_argument("--summarise-only", action="store_true",
                     help="rebuild table.md and the plots from an existing --out/results.json (e.g. a partial run)")
+    ap.add_argument("--merge", nargs="+", default=None,
+                    help="with --summarise-only: also take the runs of these other output folders (runs done by "
+                         "parallel processes), merged into --out")
     args = ap.parse_args(argv)
     if args.summarise_only:
         with open(os.path.join(args.out, "results.json")) as f:
             data = json.load(f)
-        return _write_outputs(data["runs"], data["args"], data["base"], args.out)
+        runs = data["runs"]
+        for other in args.merge or []:
+            with open(os.path.join(other, "results.json")) as f:
+                extra = json.load(f)
+            if extra["base"] != data["base"]:
+                raise ValueError(f"--merge {other}: its BASE config differs from {args.out}'s")
+            seen = {(r["method"], r["seed"]) for r in runs}
+            runs += [r for r in extra["runs"] if (r["method"], r["seed"]) not in seen]
+        return _write_outputs(runs, data["args"], data["base"], args.out)
     if args.quick:
         args.methods, args.seeds, args.steps, args.eval_every, args.per_category = (
             ["flow_grpo", "op_grpo"], [0], 3, 2, 2)
