@@ -261,13 +261,18 @@ class FlowRLTrainer:
     def initial_noise(self, step: int) -> torch.Tensor:
         """This process's initial noise (N, *L); identical across process counts (drawn globally, then sliced)."""
         cfg = self.config
+        group_ids = torch.arange(cfg.prompts_per_step).repeat_interleave(cfg.num_generations)
+        return self.global_noise(step, group_ids)[self._local_slice(cfg.train_batch_size)]
+
+    def global_noise(self, step: int, group_ids: torch.Tensor) -> torch.Tensor:
+        """Initial noise (len(group_ids), *L) for every sample slot of the iteration over all processes; with
+        ``same_noise_per_group`` the slots of a group share one draw."""
+        cfg = self.config
         gen = self._generator(step, "noise")
         if cfg.same_noise_per_group:
-            noise = self.adapter.initial_noise(cfg.prompts_per_step, cfg.height, cfg.width, gen)
-            noise = noise.repeat_interleave(cfg.num_generations, dim=0)
-        else:
-            noise = self.adapter.initial_noise(cfg.train_batch_size, cfg.height, cfg.width, gen)
-        return noise[self._local_slice(cfg.train_batch_size)]
+            per_group = self.adapter.initial_noise(cfg.prompts_per_step, cfg.height, cfg.width, gen)
+            return per_group[group_ids]
+        return self.adapter.initial_noise(len(group_ids), cfg.height, cfg.width, gen)
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, batch_size: int | None = None) -> torch.Tensor:

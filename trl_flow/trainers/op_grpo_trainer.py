@@ -70,16 +70,16 @@ class OPGRPOTrainer(FlowGRPOTrainer):
         # Global sample list: every group's fresh trajectories first, then one replayed trajectory per buffer group.
         plan = [(g, False) for g in range(P) for _ in range(G if g < n_fresh_groups else G - 1)]
         plan += [(g, True) for g in range(n_fresh_groups, P)]
-        self._plan, self._groups = plan, groups
-        local = plan[self._local_slice(len(plan))]
-        noise = self._fresh_noise(step, plan)[[i for i, (_, r) in enumerate(plan) if not r]]
-        fresh_pos = [i for i, (_, r) in enumerate(plan[self._local_slice(len(plan))]) if not r]
-        n_fresh_before = sum(1 for _, r in plan[: self._local_slice(len(plan)).start] if not r)
-        parts = []
-        fresh = [(g, r) for g, r in local if not r]
+        self._groups = groups
+        sl = self._local_slice(len(plan))
+        local = plan[sl]
+        noise = self.global_noise(step, torch.tensor([g for g, _ in plan]))[sl]  # replay slots' rows unused
+        fresh_idx = [i for i, (_, r) in enumerate(local) if not r]
+        fresh = [local[i] for i in fresh_idx]
         replay = [(g, r) for g, r in local if r]
+        parts = []
         if fresh:
-            parts.append(self._sample_groups(fresh, step, noise=noise[n_fresh_before : n_fresh_before + len(fresh_pos)]))
+            parts.append(self._sample_groups(fresh, step, noise=noise[fresh_idx]))
         if replay:
             parts.append(self._replay_tails([entries[g - n_fresh_groups] for g, _ in replay], replay, step))
         rollout = concat_rollouts(parts)
@@ -93,15 +93,6 @@ class OPGRPOTrainer(FlowGRPOTrainer):
             "off_policy_share": len(entries) / len(plan),
         })
         return rollout
-
-    def _fresh_noise(self, step, plan):
-        """Initial noise (N_global, *L) for every plan slot (replay slots' rows are unused)."""
-        cfg = self.config
-        gen = self._generator(step, "noise")
-        if cfg.same_noise_per_group:
-            per_group = self.adapter.initial_noise(cfg.prompts_per_step, cfg.height, cfg.width, gen)
-            return per_group[[g for g, _ in plan]]
-        return self.adapter.initial_noise(len(plan), cfg.height, cfg.width, gen)
 
     def _sample_groups(self, slots, step, **kwargs):
         prompts = [self._groups[g][0] for g, _ in slots]
