@@ -534,6 +534,19 @@ class FlowRLTrainer:
             self.ema.restore(self.trainable_params)
 
     @torch.no_grad()
+    def _ode_trajectories(self, prompts: list[str], seed: int, num_inference_steps: int, guidance_scale: float):
+        """Deterministic trajectories of the current policy from noise seeded by ``seed``."""
+        cfg = self.config
+        noise = self.adapter.initial_noise(len(prompts), cfg.height, cfg.width, torch.Generator().manual_seed(seed))
+        embeds = self.encode(prompts, guidance_scale)
+        schedule = self.adapter.schedule(num_inference_steps, cfg.height, cfg.width)
+        self.model.eval()
+        traj = sample_trajectories(self.adapter, self.model, embeds, noise.to(self.device), schedule,
+                                   ["ode"] * num_inference_steps, 0.0, guidance_scale,
+                                   cfg.per_device_eval_batch_size, autocast=self._autocast)
+        return traj["states"], embeds, schedule
+
+    @torch.no_grad()
     def generate(self, prompts: list[str], seed: int = 0, num_inference_steps: int | None = None,
                  guidance_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Deterministic (ODE) samples of the current policy: images (B, 3, H, W) in [0, 1] and latents."""
@@ -541,14 +554,8 @@ class FlowRLTrainer:
         K = num_inference_steps or cfg.eval_num_inference_steps
         gs = guidance_scale if guidance_scale is not None else (
             cfg.eval_guidance_scale if cfg.eval_guidance_scale is not None else cfg.guidance_scale)
-        gen = torch.Generator().manual_seed(seed)
-        noise = self.adapter.initial_noise(len(prompts), cfg.height, cfg.width, gen).to(self.device)
-        embeds = self.encode(prompts, gs)
-        schedule = self.adapter.schedule(K, cfg.height, cfg.width)
-        self.model.eval()
-        traj = sample_trajectories(self.adapter, self.model, embeds, noise, schedule, ["ode"] * K, 0.0, gs,
-                                   cfg.per_device_eval_batch_size, autocast=self._autocast)
-        latents = traj["states"][:, -1]
+        states, _, _ = self._ode_trajectories(prompts, seed, K, gs)
+        latents = states[:, -1]
         return self.decode(latents, cfg.per_device_eval_batch_size), latents
 
     @torch.no_grad()
@@ -562,14 +569,8 @@ class FlowRLTrainer:
         """
         cfg = self.config
         K = cfg.num_inference_steps
-        gen = torch.Generator().manual_seed(seed)
-        noise = self.adapter.initial_noise(len(prompts), cfg.height, cfg.width, gen).to(self.device)
-        embeds = self.encode(prompts, cfg.guidance_scale)
-        schedule = self.adapter.schedule(K, cfg.height, cfg.width)
         kinds = step_samplers(cfg.sampler, K, None)
-        self.model.eval()
-        traj = sample_trajectories(self.adapter, self.model, embeds, noise, schedule, ["ode"] * K, 0.0,
-                                   cfg.guidance_scale, cfg.per_device_eval_batch_size, autocast=self._autocast)
+        states, embeds, schedule = self._ode_trajectories(prompts, seed, K, cfg.guidance_scale)
         sig = schedule.sigmas
         total = torch.zeros(len(prompts))
         bs = cfg.per_device_eval_batch_size
@@ -579,7 +580,7 @@ class FlowRLTrainer:
             for k, kind in enumerate(kinds):
                 if kind == "ode":
                     continue
-                x = traj["states"][idx, k]
+                x = states[idx, k]
                 with self._autocast():
                     v = self.adapter.velocity(self.model, x, schedule.timesteps[k], emb, cfg.guidance_scale)
                 with self.reference_policy() as ref, self._autocast():
