@@ -19,7 +19,6 @@ Measurements are interleaved (A, B, A, B, ...) after warm-up, and medians are re
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform

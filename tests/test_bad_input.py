@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import PROMPTS, brightness, tiny_config
 
-from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
+from trl_flow import FlowGRPOTrainer
 
 
 # ---------------------------------------------------------------------------------------------------- config

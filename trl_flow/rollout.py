@@ -7,12 +7,13 @@ process, ``K`` the number of sampling steps, ``L`` the latent shape (e.g. C, h, 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
 
 from .kernels import kernel_mean_std, sde_step
-from .models import FlowAdapter, PromptEmbeds, Schedule, index_embeds
+from .models import FlowAdapter, PromptEmbeds, Schedule, cat_embeds, index_embeds
 
 
 @dataclass
@@ -54,6 +55,12 @@ class Rollout:
     def __len__(self) -> int:
         return len(self.prompts)
 
+    def trained_steps(self) -> list[int]:
+        """The steps with a density (stochastic kernel, std > 0). A function of the schedule and kernels alone, so
+        every process gets the same list whatever its samples' rewards."""
+        kinds = self.extras["step_kinds"]
+        return [k for k in range(self.schedule.num_steps) if kinds[k] != "ode" and float(self.stds[k]) > 0]
+
 
 def step_samplers(sampler: str, num_steps: int, sde_steps: torch.Tensor | None) -> list[str]:
     """The kernel of each step: ``sampler`` on the SDE steps, ``ode`` elsewhere and always on the last step."""
@@ -93,8 +100,6 @@ def sample_trajectories(
     Returns:
         ``states`` (N, K + 1, *L), ``log_probs`` (N, K), ``means`` (N, K, *L), ``stds`` (K,).
     """
-    import contextlib
-
     autocast = autocast or contextlib.nullcontext
     x_all = noise if start_states is None else start_states
     if x_all is None:
@@ -130,8 +135,6 @@ def sample_trajectories(
 
 def concat_rollouts(parts: list[Rollout]) -> Rollout:
     """Concatenate rollouts of the same schedule and step kinds along the sample dimension."""
-    from .models import cat_embeds
-
     parts = [p for p in parts if len(p)]
     first = parts[0]
     if len(parts) == 1:

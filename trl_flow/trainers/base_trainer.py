@@ -24,7 +24,7 @@ import torch
 
 from ..data import check_prompt_dataset, prompt_indices
 from ..kernels import gaussian_kl, kernel_mean_std, sde_step
-from ..models import cat_embeds, get_adapter, index_embeds
+from ..models import get_adapter, index_embeds
 from ..rewards import compute_rewards, validate_reward_funcs
 from ..rollout import Rollout, sample_trajectories, step_samplers
 from .base_config import FlowRLConfig
@@ -356,8 +356,7 @@ class FlowRLTrainer:
         cfg, acc = self.config, self.accelerator
         n = len(rollout)
         mb = cfg.per_device_train_batch_size
-        trained_steps = [k for k in range(rollout.schedule.num_steps) if bool(rollout.train_mask[:, k].any())
-                         or (rollout.extras["step_kinds"][k] != "ode" and float(rollout.stds[k]) > 0)]
+        trained_steps = rollout.trained_steps()  # identical on every process (DDP needs equal backward calls)
         sums, counts = defaultdict(float), defaultdict(float)
         first_dev = 0.0
         grad_norms = []

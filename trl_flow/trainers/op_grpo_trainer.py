@@ -54,7 +54,7 @@ class OPGRPOTrainer(FlowGRPOTrainer):
     # ------------------------------------------------------------------------------------- data source
     def make_rollout(self, step):
         cfg = self.config
-        P, G, k_off = cfg.prompts_per_step, cfg.num_generations, cfg.truncation_step
+        P, G = cfg.prompts_per_step, cfg.num_generations
         rows = self.train_dataset[prompt_indices(len(self.train_dataset), P, step, cfg.seed)]
         n_off = min(round(P * cfg.off_policy_fraction), len(self.replay_buffer))
         entries = self.replay_buffer.sample(n_off, now=step, generator=self._generator(step, "replay"),
@@ -164,7 +164,7 @@ class OPGRPOTrainer(FlowGRPOTrainer):
         the per-(sample, step) weights of the unclipped term."""
         cfg = self.config
         n, K, k_off = len(rollout), rollout.schedule.num_steps, cfg.truncation_step
-        trained = [k for k in range(K) if rollout.extras["step_kinds"][k] != "ode" and float(rollout.stds[k]) > 0]
+        trained = rollout.trained_steps()
         behaviour = rollout.log_probs.clone()
         old = behaviour.clone()
         for lo in range(0, n, cfg.per_device_train_batch_size):
