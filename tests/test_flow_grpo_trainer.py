@@ -80,12 +80,16 @@ def test_compute_loss_matches_the_flow_grpo_objective(make_trainer):
 
     from trl_flow.trainers.base_trainer import StepOutput
 
-    trainer = make_trainer(beta=0.5, clip_range=0.1)
+    from trl_flow.models import Schedule
+
+    trainer = make_trainer(beta=0.5, clip_range=0.1, kl_form="exact")
     B, K = 4, 3
     old = torch.tensor([[0.0, -1.0, 0.0], [0.0, 0.5, 0.0], [0.0, 2.0, 0.0], [0.0, 0.0, 0.0]])
     adv = torch.tensor([1.0, -2.0, 0.5, 3.0])
     mask = torch.tensor([[True] * K, [True] * K, [True] * K, [False] * K])  # sample 3 has no reward
-    rollout = SimpleNamespace(log_probs=old, advantages=adv, train_mask=mask)
+    schedule = Schedule(sigmas=torch.tensor([1.0, 0.8, 0.5, 0.0]), timesteps=torch.tensor([1000.0, 800.0, 500.0]))
+    rollout = SimpleNamespace(log_probs=old, advantages=adv, train_mask=mask, schedule=schedule,
+                              extras={"step_kinds": ["flow_sde", "flow_sde", "ode"]})
     new_lp = torch.tensor([-0.8, 0.3, 2.05, 7.0], requires_grad=True)
     mean = torch.zeros(B, 2, 2)
     ref_mean = torch.stack([torch.full((2, 2), 0.1 * i) for i in range(B)])
@@ -314,7 +318,8 @@ def test_sde_window_trains_only_window_steps(make_trainer):
 
 
 def test_scale_rewards_batch(make_trainer):
-    trainer = make_trainer(scale_rewards="batch", max_steps=1)
+    trainer = make_trainer(max_steps=1)  # the default is the reference code's global std
+    assert trainer.config.scale_rewards == "batch"
     trainer.train()
     ro = trainer.last_rollout
     r = ro.rewards.double()

@@ -32,6 +32,7 @@ import torch
 
 SAMPLERS = ("flow_sde", "cps", "ddim", "ode")
 REDUCTIONS = ("mean", "sum")
+KL_FORMS = ("reference", "exact")
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 Sampler = Literal["flow_sde", "cps", "ddim", "ode"]
@@ -146,3 +147,30 @@ def gaussian_kl(
     kl = (mean_a.float() - mean_b.float()) ** 2 / (2 * safe_std**2)
     kl = torch.where(positive, kl, torch.zeros_like(kl))
     return _reduce(kl, reduction)
+
+
+def reference_kl(
+    sampler: str,
+    mean: torch.Tensor,
+    ref_mean: torch.Tensor,
+    std: torch.Tensor,
+    sigma,
+    sigma_next,
+    form: str = "reference",
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """KL penalty of one step between the policy's kernel and the reference policy's, -> (B,).
+
+    ``form="exact"`` is :func:`gaussian_kl`. ``form="reference"`` is what the Flow-GRPO reference code
+    (``scripts/train_sd3.py``) computes and what its published ``beta`` values were tuned with: for ``flow_sde`` it
+    divides ``||mu - mu_ref||^2`` by ``2 a^2 s / (1 - s)``, i.e. without the ``sqrt(-dt)`` of the kernel's std, so
+    it equals the exact KL times ``|dt| = sigma - sigma_next``. For ``cps`` the reference divides by the kernel's
+    own std (the forms agree); ``ddim`` has no reference code, so both forms are the exact KL.
+    """
+    if form not in KL_FORMS:
+        raise ValueError(f"kl_form must be one of {KL_FORMS}, got {form!r}")
+    kl = gaussian_kl(mean, ref_mean, std, reduction)
+    if form == "reference" and sampler == "flow_sde":
+        dt = torch.as_tensor(sigma, dtype=torch.float32) - torch.as_tensor(sigma_next, dtype=torch.float32)
+        kl = kl * dt.to(kl.device).reshape(-1)  # 0-d or (B,) levels
+    return kl

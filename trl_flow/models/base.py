@@ -70,8 +70,12 @@ class FlowAdapter:
         shape = (n, *self.latent_shape(height, width))
         return torch.randn(shape, generator=generator, device=generator.device, dtype=torch.float32)
 
-    def velocity(self, model, x, timestep, embeds: PromptEmbeds, guidance_scale: float) -> torch.Tensor:
-        """Guided velocity (B, *latent_shape) float32 of ``model`` at states ``x`` and a 0-d/(B,) ``timestep``."""
+    def velocity(self, model, x, timestep, embeds: PromptEmbeds, guidance_scale: float,
+                 detach_uncond: bool = False) -> torch.Tensor:
+        """Guided velocity (B, *latent_shape) float32 of ``model`` at states ``x`` and a 0-d/(B,) ``timestep``.
+
+        ``detach_uncond``: with classifier-free guidance, detach the unconditional prediction (same value, no
+        gradient through that branch; ``guidance_grad="cond_only"``)."""
         raise NotImplementedError
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:

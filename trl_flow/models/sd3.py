@@ -70,7 +70,7 @@ class SD3Adapter(FlowAdapter):
         timesteps, _ = retrieve_timesteps(scheduler, num_inference_steps, self.device, **kwargs)
         return Schedule(sigmas=scheduler.sigmas.to(self.device, torch.float32).clone(), timesteps=timesteps.clone())
 
-    def velocity(self, model, x, timestep, embeds, guidance_scale) -> torch.Tensor:
+    def velocity(self, model, x, timestep, embeds, guidance_scale, detach_uncond=False) -> torch.Tensor:
         dtype = self.transformer.dtype
         guided = guidance_scale > 1 and "negative_prompt_embeds" in embeds
         latents = x.to(dtype)
@@ -91,6 +91,8 @@ class SD3Adapter(FlowAdapter):
         )[0]
         if guided:
             v_uncond, v_cond = v.chunk(2)
+            if detach_uncond:
+                v_uncond = v_uncond.detach()
             v = v_uncond + guidance_scale * (v_cond - v_uncond)
         return v.float()
 

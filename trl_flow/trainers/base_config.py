@@ -11,7 +11,10 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from ..advantages import SCALE_REWARDS
-from ..kernels import REDUCTIONS, SAMPLERS
+from ..kernels import KL_FORMS, REDUCTIONS, SAMPLERS
+
+
+GUIDANCE_GRADS = ("cond_only", "both")
 
 
 @dataclass
@@ -60,9 +63,11 @@ class FlowRLConfig:
     sde_window_range: int | None = field(default=None, metadata={"help": "Window starts are drawn in [0, sde_window_range); default num_inference_steps // 2."})
     logprob_reduction: str = field(default="mean", metadata={"help": "Reduce the per-dimension log-density by `mean` (reference code; clip ranges ~1e-4) or `sum`."})
     # ---- objective -----------------------------------------------------------------------------------------------
-    beta: float = field(default=0.04, metadata={"help": "Weight of the exact kernel KL to the reference policy (published: 0.04 GenEval/OCR, 0.01 PickScore). 0 skips the reference forward pass."})
+    beta: float = field(default=0.04, metadata={"help": "Weight of the KL to the reference policy (published: 0.04 GenEval/OCR, 0.01 PickScore, tuned with kl_form='reference'). 0 skips the reference forward pass."})
+    kl_form: str = field(default="reference", metadata={"help": "Form of the KL penalty. `reference` (default, the Flow-GRPO reference code, with which the published betas were tuned): ||mu - mu_ref||^2 / (2 a^2 s/(1-s)), i.e. the exact KL times |dt| for flow_sde (3.7x-25x weaker per step at 10 steps, shift 3); `exact`: the exact kernel KL ||mu - mu_ref||^2 / (2 std^2) of the paper's formula. cps: both forms agree; ddim: always exact."})
+    guidance_grad: str = field(default="cond_only", metadata={"help": "Gradient through classifier-free guidance in the update. `cond_only` (default, the Flow-GRPO reference code): the unconditional branch is detached, so only the conditional branch is trained; `both`: back-propagate through both branches (the exact gradient of the guided policy; gives the unconditional branch the weight 1 - guidance_scale). Rollout values and log-probs are identical either way."})
     reward_weights: list[float] | None = field(default=None, metadata={"help": "One weight per reward function (default: all 1)."})
-    scale_rewards: str = field(default="group", metadata={"help": "Advantage std: `group`, `batch` (whole gathered batch) or `none`."})
+    scale_rewards: str = field(default="batch", metadata={"help": "Advantage std (the mean is always the group's): `batch` (default; std over the whole gathered batch, the reference SD3 recipes' global_std=True), `group` (std over the group, the paper's formula) or `none`."})
     adv_clip_max: float = field(default=5.0, metadata={"help": "Advantages are clipped to +-adv_clip_max."})
     # ---- evaluation, logging, checkpoints -------------------------------------------------------------------
     eval_steps: int = field(default=0, metadata={"help": "Evaluate every this many iterations (and before the first and after the last); 0 disables. Needs an eval_dataset."})
@@ -98,6 +103,8 @@ class FlowRLConfig:
         need(self.sampler != "ode", "sampler", "`ode` has no log-prob and cannot be trained; use flow_sde, cps or ddim")
         need(self.logprob_reduction in REDUCTIONS, "logprob_reduction", f"must be one of {REDUCTIONS}")
         need(self.scale_rewards in SCALE_REWARDS, "scale_rewards", f"must be one of {SCALE_REWARDS}")
+        need(self.kl_form in KL_FORMS, "kl_form", f"must be one of {KL_FORMS}")
+        need(self.guidance_grad in GUIDANCE_GRADS, "guidance_grad", f"must be one of {GUIDANCE_GRADS}")
         need(self.finetune in ("lora", "full"), "finetune", "must be `lora` or `full`")
         need(self.optim in ("adamw_torch", "adamw_8bit"), "optim", "must be `adamw_torch` or `adamw_8bit`")
         need(math.isfinite(self.noise_level) and self.noise_level > 0, "noise_level", "must be > 0 (0 makes every step deterministic: nothing to train)")

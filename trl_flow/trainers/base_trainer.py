@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..data import check_prompt_dataset, prompt_indices
-from ..kernels import gaussian_kl, kernel_mean_std, sde_step
+from ..kernels import gaussian_kl, kernel_mean_std, reference_kl, sde_step
 from ..models import get_adapter, index_embeds
 from ..rewards import compute_rewards, validate_reward_funcs
 from ..rollout import Rollout, sample_trajectories, step_samplers
@@ -339,7 +339,8 @@ class FlowRLTrainer:
         emb = index_embeds(rollout.embeds, idx)
         t = rollout.schedule.timesteps[k]
         with self._autocast():
-            v = self.adapter.velocity(self.model, x, t, emb, cfg.guidance_scale)
+            v = self.adapter.velocity(self.model, x, t, emb, cfg.guidance_scale,
+                                      detach_uncond=cfg.guidance_grad == "cond_only")
         _, log_prob, mean, std = sde_step(kind, x, v, sig[k], sig[k + 1], cfg.noise_level,
                                           prev_sample=rollout.states[idx, k + 1],
                                           logprob_reduction=cfg.logprob_reduction)
@@ -349,6 +350,12 @@ class FlowRLTrainer:
                 v_ref = self.adapter.velocity(ref, x, t, emb, cfg.guidance_scale)
             ref_mean, _ = kernel_mean_std(kind, x, v_ref, sig[k], sig[k + 1], cfg.noise_level)
         return StepOutput(log_prob=log_prob, mean=mean, std=std, ref_mean=ref_mean)
+
+    def kl_penalty(self, rollout: Rollout, k: int, out: StepOutput) -> torch.Tensor:
+        """(B,) KL of step ``k`` between the current and the reference kernel, in the configured ``kl_form``."""
+        sig = rollout.schedule.sigmas
+        return reference_kl(rollout.extras["step_kinds"][k], out.mean, out.ref_mean, out.std, sig[k], sig[k + 1],
+                            self.config.kl_form, self.config.logprob_reduction)
 
     def optimize(self, rollout: Rollout, step: int) -> dict[str, float]:
         """``num_inner_epochs`` passes over the rollout; one optimizer step per ``gradient_accumulation_steps``

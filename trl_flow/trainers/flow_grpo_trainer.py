@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from ..advantages import group_advantages
-from ..kernels import gaussian_kl
 from ..losses import clipped_policy_loss, masked_mean
 from .base_trainer import FlowRLTrainer
 from .flow_grpo_config import FlowGRPOConfig
@@ -28,8 +27,10 @@ class FlowGRPOTrainer(FlowRLTrainer):
     ```
 
     Per iteration: sample G trajectories per prompt with the SDE kernel, score the final images,
-    ``A_i = (r_i - mean_group) / (std + 1e-4)`` clipped to ``+-adv_clip_max``, then per trained step minimise
-    ``max(-A rho, -A clip(rho, 1 - eps, 1 + eps)) + beta KL(pi_theta || pi_ref)`` with the exact kernel KL.
+    ``A_i = (r_i - mean_group) / (std + 1e-4)`` (std over the batch by default, ``scale_rewards``) clipped to
+    ``+-adv_clip_max``, then per trained step minimise ``max(-A rho, -A clip(rho, 1 - eps, 1 + eps)) + beta KL``
+    with the KL in ``kl_form`` (default: the reference code's, see the config). The defaults reproduce the
+    reference code: KL form, detached unconditional branch (``guidance_grad``), batch std.
     """
 
     config_class = FlowGRPOConfig
@@ -47,7 +48,7 @@ class FlowGRPOTrainer(FlowRLTrainer):
         loss, stats = clipped_policy_loss(out.log_prob, rollout.log_probs[idx, k], rollout.advantages[idx],
                                           cfg.clip_range, weights=self.importance_weights(rollout, idx, k))
         if cfg.beta > 0:
-            kl = gaussian_kl(out.mean, out.ref_mean, out.std, cfg.logprob_reduction)
+            kl = self.kl_penalty(rollout, k, out)
             loss = loss + cfg.beta * kl
             stats["kl"] = kl.detach()
         return masked_mean(loss, rollout.train_mask[idx, k]), stats
