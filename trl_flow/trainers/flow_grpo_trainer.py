@@ -45,7 +45,8 @@ class FlowGRPOTrainer(FlowRLTrainer):
 
     def compute_loss(self, rollout, idx, k, out):
         cfg = self.config
-        loss, stats = clipped_policy_loss(out.log_prob, rollout.log_probs[idx, k], rollout.advantages[idx],
+        adv = rollout.advantages[idx, k] if rollout.advantages.ndim == 2 else rollout.advantages[idx]  # per step or not
+        loss, stats = clipped_policy_loss(out.log_prob, rollout.log_probs[idx, k], adv,
                                           cfg.clip_range, weights=self.importance_weights(rollout, idx, k))
         if cfg.beta > 0:
             kl = self.kl_penalty(rollout, k, out)
