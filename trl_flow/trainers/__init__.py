@@ -1,8 +1,10 @@
 from .base_config import FlowRLConfig
 from .base_trainer import FlowRLTrainer
+from .flow_dppo_config import FlowDPPOConfig
+from .flow_dppo_trainer import FlowDPPOTrainer
 from .flow_grpo_config import FlowGRPOConfig
 from .flow_grpo_trainer import FlowGRPOTrainer
 from .op_grpo_config import OPGRPOConfig
 from .op_grpo_trainer import OPGRPOTrainer
 
-__all__ = ["FlowRLConfig", "FlowRLTrainer", "FlowGRPOConfig", "FlowGRPOTrainer", "OPGRPOConfig", "OPGRPOTrainer"]
+__all__ = ["FlowRLConfig", "FlowRLTrainer", "FlowDPPOConfig", "FlowDPPOTrainer", "FlowGRPOConfig", "FlowGRPOTrainer", "OPGRPOConfig", "OPGRPOTrainer"]

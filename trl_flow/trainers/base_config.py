@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 
 from ..advantages import SCALE_REWARDS
 from ..kernels import KL_FORMS, REDUCTIONS, SAMPLERS
+from ..trust_region import KL_MASK_DELTAS, KL_MASK_MODES, TRUST_REGIONS
 
 
 GUIDANCE_GRADS = ("cond_only", "both")
@@ -66,6 +67,10 @@ class FlowRLConfig:
     beta: float = field(default=0.04, metadata={"help": "Weight of the KL to the reference policy (published: 0.04 GenEval/OCR, 0.01 PickScore, tuned with kl_form='reference'). 0 skips the reference forward pass."})
     kl_form: str = field(default="reference", metadata={"help": "Form of the KL penalty. `reference` (default, the Flow-GRPO reference code, with which the published betas were tuned): ||mu - mu_ref||^2 / (2 a^2 s/(1-s)), i.e. the exact KL times |dt| for flow_sde (3.7x-25x weaker per step at 10 steps, shift 3); `exact`: the exact kernel KL ||mu - mu_ref||^2 / (2 std^2) of the paper's formula. cps: both forms agree; ddim: always exact."})
     guidance_grad: str = field(default="cond_only", metadata={"help": "Gradient through classifier-free guidance in the update. `cond_only` (default, the Flow-GRPO reference code): the unconditional branch is detached, so only the conditional branch is trained; `both`: back-propagate through both branches (the exact gradient of the guided policy; gives the unconditional branch the weight 1 - guidance_scale). Rollout values and log-probs are identical either way."})
+    trust_region: str = field(default="clip", metadata={"help": "How each update is kept near the rollout's policy: `clip` (PPO ratio clip, Flow-GRPO; `clip_range`) or `kl_mask` (Flow-DPPO's divergence trust region: a sample's term is dropped when the exact old-vs-new kernel KL of its step exceeds `kl_mask_delta` and the update moves away from the old policy in its advantage's direction; no clip)."})
+    clip_range: float = field(default=1e-4, metadata={"help": "trust_region=`clip`: PPO clip range eps on the per-step ratio (published Flow-GRPO: 1e-4 with mean-reduced log-probs)."})
+    kl_mask_delta: float | None = field(default=None, metadata={"help": "trust_region=`kl_mask`: threshold on the exact KL between the frozen old kernel and the current one, ||mu_old - mu_theta||^2 / (2 std^2) with the kernel's full std (flow_sde: including sqrt(-dt)), mean-reduced over latent dims whatever logprob_reduction. This is NOT the `kl_form` scaling of the beta-KL to the reference policy. Default (None): per kernel, the Flow-DPPO paper's 1e-7 for flow_sde and 1e-6 for cps (ddim, unpublished: 1e-6); the authors' released recipe uses 1e-5."})
+    kl_mask_mode: str = field(default="asymmetric", metadata={"help": "trust_region=`kl_mask`: `asymmetric` (Flow-DPPO: a step back toward the old policy is never masked) or `symmetric` (ABLATION only: mask every sample whose KL exceeds the threshold; the paper reports training collapses)."})
     reward_weights: list[float] | None = field(default=None, metadata={"help": "One weight per reward function (default: all 1)."})
     scale_rewards: str = field(default="batch", metadata={"help": "Advantage std (the mean is always the group's): `batch` (default; std over the whole gathered batch, the reference SD3 recipes' global_std=True), `group` (std over the group, the paper's formula) or `none`."})
     adv_clip_max: float = field(default=5.0, metadata={"help": "Advantages are clipped to +-adv_clip_max."})
@@ -105,6 +110,13 @@ class FlowRLConfig:
         need(self.scale_rewards in SCALE_REWARDS, "scale_rewards", f"must be one of {SCALE_REWARDS}")
         need(self.kl_form in KL_FORMS, "kl_form", f"must be one of {KL_FORMS}")
         need(self.guidance_grad in GUIDANCE_GRADS, "guidance_grad", f"must be one of {GUIDANCE_GRADS}")
+        need(self.trust_region in TRUST_REGIONS, "trust_region", f"must be one of {TRUST_REGIONS}")
+        need(isinstance(self.clip_range, (int, float)) and 0 < self.clip_range < 1, "clip_range", "must be in (0, 1)")
+        need(self.kl_mask_mode in KL_MASK_MODES, "kl_mask_mode", f"must be one of {KL_MASK_MODES}")
+        if self.kl_mask_delta is None and self.sampler in KL_MASK_DELTAS:
+            self.kl_mask_delta = KL_MASK_DELTAS[self.sampler]
+        need(isinstance(self.kl_mask_delta, (int, float)) and math.isfinite(self.kl_mask_delta)
+             and self.kl_mask_delta >= 0, "kl_mask_delta", "must be a finite number >= 0, or None for the kernel's default")
         need(self.finetune in ("lora", "full"), "finetune", "must be `lora` or `full`")
         need(self.optim in ("adamw_torch", "adamw_8bit"), "optim", "must be `adamw_torch` or `adamw_8bit`")
         need(math.isfinite(self.noise_level) and self.noise_level > 0, "noise_level", "must be > 0 (0 makes every step deterministic: nothing to train)")

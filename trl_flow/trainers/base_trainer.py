@@ -365,7 +365,7 @@ class FlowRLTrainer:
         mb = cfg.per_device_train_batch_size
         trained_steps = rollout.trained_steps()  # identical on every process (DDP needs equal backward calls)
         sums, counts = defaultdict(float), defaultdict(float)
-        first_dev = 0.0
+        first_dev = first_kl = 0.0
         grad_norms = []
         self.model.train()
         for epoch in range(cfg.num_inner_epochs):
@@ -399,17 +399,24 @@ class FlowRLTrainer:
                                 sums["ratio_min"] = min(sums.get("ratio_min", math.inf), float(sel.min()))
                                 if epoch == 0 and g_i == 0:
                                     first_dev = max(first_dev, float((sel - 1).abs().max()))
+                            if name == "kl_old" and sel.numel():  # old-vs-new kernel KL (trust_region.py)
+                                sums["kl_old_max"] = max(sums.get("kl_old_max", 0.0), float(sel.max()))
+                                if epoch == 0 and g_i == 0:
+                                    first_kl = max(first_kl, float(sel.max()))
                             sums[name] += float(sel.sum())
                             counts[name] += sel.numel()
                         sums["loss"] += float(loss.detach())
                         counts["loss"] += 1
                 grad_norms.append(self._optimizer_step())
         metrics = {name: sums[name] / max(counts[name], 1) for name in counts}
-        metrics["clip_frac"] = metrics.pop("clipped", 0.0)
-        for name in ("ratio_max", "ratio_min"):
+        if "clipped" in metrics or "mask_frac" not in metrics:
+            metrics["clip_frac"] = metrics.pop("clipped", 0.0)
+        for name in ("ratio_max", "ratio_min", "kl_old_max"):
             if name in sums:
                 metrics[name] = sums[name]
         metrics["ratio_first_max_dev"] = first_dev
+        if "kl_old" in counts:
+            metrics["kl_old_first_max"] = first_kl
         finite = [g for g in grad_norms if math.isfinite(g)]
         metrics["grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
         metrics["nonfinite_skipped"] = self._nonfinite_skipped

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..advantages import group_advantages
 from ..losses import clipped_policy_loss, masked_mean
+from ..trust_region import kl_masked_policy_loss, old_policy_kl
 from .base_trainer import FlowRLTrainer
 from .flow_grpo_config import FlowGRPOConfig
 
@@ -31,6 +32,10 @@ class FlowGRPOTrainer(FlowRLTrainer):
     ``+-adv_clip_max``, then per trained step minimise ``max(-A rho, -A clip(rho, 1 - eps, 1 + eps)) + beta KL``
     with the KL in ``kl_form`` (default: the reference code's, see the config). The defaults reproduce the
     reference code: KL form, detached unconditional branch (``guidance_grad``), batch std.
+
+    ``trust_region="kl_mask"`` replaces the clip by Flow-DPPO's divergence mask (:mod:`trl_flow.trust_region`);
+    every subclass (OP-GRPO, per-step advantages) inherits the choice. Logged either way: ``kl_old`` (mean), and
+    by the base ``kl_old_max`` and ``kl_old_first_max`` (0 before the first update).
     """
 
     config_class = FlowGRPOConfig
@@ -46,8 +51,15 @@ class FlowGRPOTrainer(FlowRLTrainer):
     def compute_loss(self, rollout, idx, k, out):
         cfg = self.config
         adv = rollout.advantages[idx, k] if rollout.advantages.ndim == 2 else rollout.advantages[idx]  # per step or not
-        loss, stats = clipped_policy_loss(out.log_prob, rollout.log_probs[idx, k], adv,
-                                          cfg.clip_range, weights=self.importance_weights(rollout, idx, k))
+        weights = self.importance_weights(rollout, idx, k)
+        kl_old = old_policy_kl(rollout.means[idx, k], out.mean, out.std)  # frozen mu_old vs mu_theta, (B,)
+        if cfg.trust_region == "kl_mask":
+            loss, stats = kl_masked_policy_loss(out.log_prob, rollout.log_probs[idx, k], adv, kl_old,
+                                                cfg.kl_mask_delta, weights=weights, mode=cfg.kl_mask_mode)
+        else:
+            loss, stats = clipped_policy_loss(out.log_prob, rollout.log_probs[idx, k], adv, cfg.clip_range,
+                                              weights=weights)
+            stats["kl_old"] = kl_old
         if cfg.beta > 0:
             kl = self.kl_penalty(rollout, k, out)
             loss = loss + cfg.beta * kl
@@ -55,5 +67,6 @@ class FlowGRPOTrainer(FlowRLTrainer):
         return masked_mean(loss, rollout.train_mask[idx, k]), stats
 
     def importance_weights(self, rollout, idx, k):
-        """(B,) detached weights on the unclipped term, or None (on-policy). OP-GRPO overrides this."""
+        """(B,) detached weights on the unclipped (clip) or kept (kl_mask) term, or None (on-policy). OP-GRPO
+        overrides this."""
         return None

@@ -39,6 +39,13 @@ class OPGRPOTrainer(FlowGRPOTrainer):
     3. ``logp_old`` is recomputed without gradient under the current weights; a replayed trajectory gets one
        detached weight ``w = prod_{k < k_off} p_old / p_off`` (log space) on the unclipped term, while the clip
        still measures ``pi_theta / pi_old``. Fresh samples and regenerated tails have ``w = 1``.
+
+    With ``trust_region="kl_mask"`` (Flow-DPPO's mask) ``w`` multiplies the kept term, ``-M w rho A``, and the mask
+    still measures the move from ``pi_old`` (``mu_old`` is recomputed with ``logp_old``), so the first ratio is 1
+    and the first old-vs-new KL is 0 for replayed samples too; the mask fractions are logged as
+    ``mask_frac_on_policy`` / ``mask_frac_off_policy``. With ``off_policy_correction="per_step"`` the ratio of a
+    reused step is ``pi_theta / pi_off`` while the mask's KL is still measured against ``pi_old`` (the buffer keeps
+    no behaviour means).
     """
 
     config_class = OPGRPOConfig
@@ -206,9 +213,10 @@ class OPGRPOTrainer(FlowGRPOTrainer):
     def compute_loss(self, rollout, idx, k, out):
         loss, stats = super().compute_loss(rollout, idx, k, out)
         off = rollout.extras["reused"][idx, k]
-        nan = torch.full_like(stats["clipped"], float("nan"))
-        stats["clip_frac_off_policy"] = torch.where(off, stats["clipped"], nan)
-        stats["clip_frac_on_policy"] = torch.where(~off, stats["clipped"], nan)
+        blocked, name = (stats["clipped"], "clip_frac") if "clipped" in stats else (stats["mask_frac"], "mask_frac")
+        nan = torch.full_like(blocked, float("nan"))
+        stats[f"{name}_off_policy"] = torch.where(off, blocked, nan)
+        stats[f"{name}_on_policy"] = torch.where(~off, blocked, nan)
         return loss, stats
 
     # ------------------------------------------------------------------------------------- checkpoints
