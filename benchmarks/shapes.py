@@ -48,6 +48,12 @@ METHODS = {
     "op_grpo_no_truncation": ("OPGRPOConfig", "OPGRPOTrainer", {"truncation_step": 10}),
     "op_grpo_share_12": ("OPGRPOConfig", "OPGRPOTrainer", {"off_policy_fraction": 0.125}),
     "op_grpo_share_50": ("OPGRPOConfig", "OPGRPOTrainer", {"off_policy_fraction": 0.5}),
+    # Flow-DPPO (KL-mask trust region, paper delta 1e-7 for flow_sde) and its controls; beta stays BASE's 0 for all.
+    "flow_dppo": ("FlowDPPOConfig", "FlowDPPOTrainer", {"num_inner_epochs": 2}),
+    "flow_dppo_1epoch": ("FlowDPPOConfig", "FlowDPPOTrainer", {"num_inner_epochs": 1}),
+    "flow_grpo_2epochs": ("FlowGRPOConfig", "FlowGRPOTrainer", {"num_inner_epochs": 2}),
+    "flow_dppo_symmetric": ("FlowDPPOConfig", "FlowDPPOTrainer", {"num_inner_epochs": 2, "kl_mask_mode": "symmetric"}),
+    "op_grpo_kl_mask": ("OPGRPOConfig", "OPGRPOTrainer", {"trust_region": "kl_mask"}),
 }
 SCORE = "partial"  # the rewarded quantity; strict is reported too
 

@@ -32,6 +32,7 @@ from trl_flow import rewards as builtin_rewards
 METHODS = {
     "flow_grpo": (trl_flow.FlowGRPOConfig, trl_flow.FlowGRPOTrainer),
     "op_grpo": (trl_flow.OPGRPOConfig, trl_flow.OPGRPOTrainer),
+    "flow_dppo": (trl_flow.FlowDPPOConfig, trl_flow.FlowDPPOTrainer),
 }
 
 

@@ -155,3 +155,17 @@ def test_op_grpo_with_kl_mask(tmp_path):
     keep = stats["mask_frac"] == 0
     expected = torch.where(keep, -w * rho * r.advantages[rep], torch.zeros_like(rho)).mean()
     torch.testing.assert_close(loss.detach(), expected, rtol=1e-6, atol=0)
+
+
+def test_docstring_example_runs(tmp_path, monkeypatch):
+    import re
+    import textwrap
+
+    code = textwrap.dedent(re.search(r"```python\n(.*?)```", FlowDPPOTrainer.__doc__, re.S).group(1))
+    monkeypatch.chdir(tmp_path)
+    scope = {}
+    exec(compile(code, "FlowDPPOTrainer.__doc__", "exec"), scope)
+    trainer = scope["trainer"]
+    assert trainer.config.sampler == "cps" and trainer.state.global_step == 2
+    assert (tmp_path / "out" / "final" / "pytorch_lora_weights.safetensors").exists()
+    check_invariants(trainer.state.log_history, 2)
