@@ -7,7 +7,16 @@ prompts (data.py) -> rollout (rollout.py, kernels.py, models/) -> rewards (rewar
 from .kernels import gaussian_kl, sde_step
 from .rewards import jpeg_compressibility, jpeg_incompressibility
 from .replay_buffer import ReplayBuffer, ReplayEntry
-from .trainers import FlowDPPOConfig, FlowDPPOTrainer, FlowGRPOConfig, FlowGRPOTrainer, FlowRLConfig, FlowRLTrainer, OPGRPOConfig, OPGRPOTrainer
+from .trainers import (
+    FlowDPPOConfig,
+    FlowDPPOTrainer,
+    FlowGRPOConfig,
+    FlowGRPOTrainer,
+    FlowRLConfig,
+    FlowRLTrainer,
+    OPGRPOConfig,
+    OPGRPOTrainer,
+)
 
 __version__ = "0.1.0.dev0"
 

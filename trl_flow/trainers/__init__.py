@@ -7,4 +7,13 @@ from .flow_grpo_trainer import FlowGRPOTrainer
 from .op_grpo_config import OPGRPOConfig
 from .op_grpo_trainer import OPGRPOTrainer
 
-__all__ = ["FlowRLConfig", "FlowRLTrainer", "FlowDPPOConfig", "FlowDPPOTrainer", "FlowGRPOConfig", "FlowGRPOTrainer", "OPGRPOConfig", "OPGRPOTrainer"]
+__all__ = [
+    "FlowRLConfig",
+    "FlowRLTrainer",
+    "FlowDPPOConfig",
+    "FlowDPPOTrainer",
+    "FlowGRPOConfig",
+    "FlowGRPOTrainer",
+    "OPGRPOConfig",
+    "OPGRPOTrainer",
+]

@@ -409,7 +409,7 @@ class FlowRLTrainer:
                         counts["loss"] += 1
                 grad_norms.append(self._optimizer_step())
         metrics = {name: sums[name] / max(counts[name], 1) for name in counts}
-        if "clipped" in metrics or "mask_frac" not in metrics:
+        if "mask_frac" not in metrics:  # the kl_mask trust region logs its own fractions instead
             metrics["clip_frac"] = metrics.pop("clipped", 0.0)
         for name in ("ratio_max", "ratio_min", "kl_old_max"):
             if name in sums:
