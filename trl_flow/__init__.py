@@ -16,6 +16,8 @@ from .trainers import (
     FlowRLTrainer,
     OPGRPOConfig,
     OPGRPOTrainer,
+    StepwiseFlowGRPOConfig,
+    StepwiseFlowGRPOTrainer,
 )
 
 __version__ = "0.1.0.dev0"
@@ -31,6 +33,8 @@ __all__ = [
     "OPGRPOTrainer",
     "ReplayBuffer",
     "ReplayEntry",
+    "StepwiseFlowGRPOConfig",
+    "StepwiseFlowGRPOTrainer",
     "gaussian_kl",
     "jpeg_compressibility",
     "jpeg_incompressibility",

@@ -34,6 +34,8 @@ class Rollout:
         rewards: (N,) float32 combined reward (NaN where no reward function gave a value).
         rewards_per_func: name -> (N,) float32 (NaN where that function skipped the sample).
         advantages: (N,) or (N, K) float32, set by the trainer.
+        velocities: (N, K, *L) float32 guided velocities of the behaviour policy at each state, or None (kept
+            only when the trainer asks for them: ``FlowRLTrainer.keep_velocities``).
     """
 
     prompts: list[str]
@@ -51,6 +53,7 @@ class Rollout:
     rewards_per_func: dict[str, torch.Tensor] = field(default_factory=dict)
     advantages: torch.Tensor | None = None
     extras: dict = field(default_factory=dict)
+    velocities: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -87,6 +90,7 @@ def sample_trajectories(
     start_states: torch.Tensor | None = None,
     start_step: int = 0,
     autocast=None,
+    keep_velocities: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Run the sampler over a batch in chunks of ``batch_size``.
 
@@ -96,9 +100,11 @@ def sample_trajectories(
         start_states: optional (N, *L) states at step ``start_step``: sampling resumes there (used to regenerate
             the tail of a stored trajectory); the returned tensors still cover all K steps, with the steps before
             ``start_step`` left as zeros for the caller to fill in.
+        keep_velocities: also return the guided velocity of every step.
 
     Returns:
-        ``states`` (N, K + 1, *L), ``log_probs`` (N, K), ``means`` (N, K, *L), ``stds`` (K,).
+        ``states`` (N, K + 1, *L), ``log_probs`` (N, K), ``means`` (N, K, *L), ``stds`` (K,), and with
+        ``keep_velocities`` ``velocities`` (N, K, *L).
     """
     autocast = autocast or contextlib.nullcontext
     x_all = noise if start_states is None else start_states
@@ -109,6 +115,7 @@ def sample_trajectories(
     states = torch.zeros((n, K + 1, *x_all.shape[1:]), dtype=torch.float32, device=x_all.device)
     means = torch.zeros((n, K, *x_all.shape[1:]), dtype=torch.float32, device=x_all.device)
     log_probs = torch.zeros((n, K), dtype=torch.float32, device=x_all.device)
+    velocities = torch.zeros_like(means) if keep_velocities else None
     # The std of a step depends only on the schedule and the kernel, not on the state.
     probe = torch.zeros(1, 1, device=x_all.device)
     stds = torch.stack([
@@ -130,7 +137,12 @@ def sample_trajectories(
             states[idx, k + 1] = x
             means[idx, k] = mean
             log_probs[idx, k] = lp
-    return {"states": states, "log_probs": log_probs, "means": means, "stds": stds}
+            if keep_velocities:
+                velocities[idx, k] = v
+    out = {"states": states, "log_probs": log_probs, "means": means, "stds": stds}
+    if keep_velocities:
+        out["velocities"] = velocities
+    return out
 
 
 def concat_rollouts(parts: list[Rollout]) -> Rollout:
@@ -159,5 +171,6 @@ def concat_rollouts(parts: list[Rollout]) -> Rollout:
         means=cat("means"),
         stds=first.stds,
         train_mask=cat("train_mask"),
+        velocities=cat("velocities"),
         extras={"step_kinds": first.extras.get("step_kinds")},
     )

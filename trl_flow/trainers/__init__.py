@@ -6,6 +6,8 @@ from .flow_grpo_config import FlowGRPOConfig
 from .flow_grpo_trainer import FlowGRPOTrainer
 from .op_grpo_config import OPGRPOConfig
 from .op_grpo_trainer import OPGRPOTrainer
+from .stepwise_flow_grpo_config import StepwiseFlowGRPOConfig
+from .stepwise_flow_grpo_trainer import StepwiseFlowGRPOTrainer
 
 __all__ = [
     "FlowRLConfig",
@@ -16,4 +18,6 @@ __all__ = [
     "FlowGRPOTrainer",
     "OPGRPOConfig",
     "OPGRPOTrainer",
+    "StepwiseFlowGRPOConfig",
+    "StepwiseFlowGRPOTrainer",
 ]

@@ -63,6 +63,8 @@ class FlowRLTrainer:
 
     config_class = FlowRLConfig
     _method_name = "flow_rl"
+    #: Keep the rollout's velocities (``Rollout.velocities``); a method that needs them sets this.
+    keep_velocities = False
 
     # ------------------------------------------------------------------------------------------------ set-up
     def __init__(self, config, pipe, reward_funcs, train_dataset=None, eval_dataset=None):
@@ -247,13 +249,13 @@ class FlowRLTrainer:
             generator=self._generator(step, generator_purpose, per_process=True, device=self.device),
             logprob_reduction=cfg.logprob_reduction,
             start_states=None if start_states is None else start_states.to(self.device), start_step=start_step,
-            autocast=self._autocast,
+            autocast=self._autocast, keep_velocities=self.keep_velocities,
         )
         stochastic = torch.tensor([k != "ode" for k in kinds], device=self.device) & (traj["stds"] > 0)
         rollout = Rollout(
             prompts=list(prompts), columns=columns, group_ids=group_ids, embeds=embeds, schedule=schedule,
             states=traj["states"], log_probs=traj["log_probs"], means=traj["means"], stds=traj["stds"],
-            train_mask=stochastic[None, :].expand(len(prompts), K).clone(),
+            train_mask=stochastic[None, :].expand(len(prompts), K).clone(), velocities=traj.get("velocities"),
         )
         rollout.extras["step_kinds"] = kinds
         return rollout

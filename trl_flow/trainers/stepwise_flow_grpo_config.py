@@ -1,0 +1,35 @@
+"""Configuration of :class:`~trl_flow.StepwiseFlowGRPOTrainer`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .base_config import FlowRLConfig
+from .flow_grpo_config import FlowGRPOConfig
+
+GAIN_NORMALIZATIONS = ("joint", "per_step")
+
+
+@dataclass
+class StepwiseFlowGRPOConfig(FlowGRPOConfig):
+    """Stepwise-Flow-GRPO (arXiv 2603.28718): Flow-GRPO with one advantage per (trajectory, step), from the gain of
+    an intermediate reward. Differences from Flow-GRPO's defaults: the `ddim` kernel and shared initial noise per
+    group. The paper's group size, lr, clip, beta and eta are not public; the inherited defaults are used."""
+
+    sampler: str = field(default="ddim", metadata={"help": "Transition kernel of the rollout. Default `ddim` (the paper's: eta = noise_level; its first step is deterministic and never trained); `flow_sde` and `cps` work too."})
+    same_noise_per_group: bool = field(default=True, metadata={"help": "Give all trajectories of a group the same initial noise. On by default for Stepwise-Flow-GRPO (the paper's setting: the gains of a group then start from the same state)."})
+    num_substeps: int = field(default=5, metadata={"help": "T': deterministic Euler steps of the clean-image estimate at every state, from its sigma to 0 on a grid linear in sigma (the paper: 5). 1 is the one-step (Tweedie) estimate x - sigma v, which reuses the rollout's velocity and costs no transformer call; each further substep costs one guided transformer evaluation per state."})
+    gain_normalization: str = field(default="joint", metadata={"help": "How per-step gains g_k = r_{k+1} - r_k become advantages: `joint` (the paper's: (g - mean) / std over all (trajectory, trained step) pairs of the group) or `per_step` (over the group's trajectories at each step separately; the ablation that converged more slowly). Replaces `scale_rewards`, which this trainer does not use."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        name = type(self).__name__
+        if not (isinstance(self.num_substeps, int) and not isinstance(self.num_substeps, bool) and self.num_substeps >= 1):
+            raise ValueError(f"{name}.num_substeps={self.num_substeps!r}: must be an integer >= 1 (1 = the one-step "
+                             "Tweedie estimate x - sigma v)")
+        if self.gain_normalization not in GAIN_NORMALIZATIONS:
+            raise ValueError(f"{name}.gain_normalization={self.gain_normalization!r}: must be one of "
+                             f"{GAIN_NORMALIZATIONS}")
+        if self.scale_rewards != FlowRLConfig.__dataclass_fields__["scale_rewards"].default:
+            raise ValueError(f"{name}.scale_rewards={self.scale_rewards!r}: not used by Stepwise-Flow-GRPO (its "
+                             "advantages are normalised gains); leave it at its default and set gain_normalization")
