@@ -54,6 +54,12 @@ METHODS = {
     "flow_grpo_2epochs": ("FlowGRPOConfig", "FlowGRPOTrainer", {"num_inner_epochs": 2}),
     "flow_dppo_symmetric": ("FlowDPPOConfig", "FlowDPPOTrainer", {"num_inner_epochs": 2, "kl_mask_mode": "symmetric"}),
     "op_grpo_kl_mask": ("OPGRPOConfig", "OPGRPOTrainer", {"trust_region": "kl_mask"}),
+    # Stepwise-Flow-GRPO: its own defaults (ddim, eta = noise_level, shared noise per group, T' = 5, joint)
+    "stepwise": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {"same_noise_per_group": True}),
+    "stepwise_per_step": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer",
+                          {"same_noise_per_group": True, "gain_normalization": "per_step"}),
+    "stepwise_t1": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer",
+                    {"same_noise_per_group": True, "num_substeps": 1}),
 }
 SCORE = "partial"  # the rewarded quantity; strict is reported too
 
