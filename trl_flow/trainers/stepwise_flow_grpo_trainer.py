@@ -115,6 +115,9 @@ class StepwiseFlowGRPOTrainer(FlowGRPOTrainer):
         step ``steps[b]`` (B,), by T' ODE steps of the current policy on :func:`substep_sigmas`. The first step
         uses the stored velocity; each later one is one guided transformer evaluation."""
         cfg = self.config
+        if rollout.velocities is None:
+            raise ValueError("clean_estimate: the rollout has no velocities; sample it with a trainer whose "
+                             "keep_velocities is True (StepwiseFlowGRPOTrainer.sample does)")
         x = rollout.states[samples, steps].float()
         v = rollout.velocities[samples, steps]
         grid = substep_sigmas(rollout.schedule.sigmas[steps], cfg.num_substeps)
