@@ -248,3 +248,30 @@ def test_brightness_reward_moves_the_policy(tmp_path, fresh_pipe, sign):
     assert sign * (after - before) > 2e-3, (before, after)
     rewards = [e["reward"] for e in trainer.state.log_history]
     assert sum(rewards[-5:]) > sum(rewards[:5])  # the training reward rose too
+
+
+def test_kl_mask_trust_region_with_per_step_advantages(tmp_path, fresh_pipe):
+    """Flow-DPPO's KL mask (shared FlowGRPO loss) takes the per-step advantages too."""
+    trainer = make(tmp_path, fresh_pipe, trust_region="kl_mask", num_inner_epochs=2, num_substeps=1, max_steps=2,
+                   learning_rate=3e-3, beta=0.04)
+    before = [p.detach().clone() for p in trainer.trainable_params]
+    trainer.train()
+    assert trainer.last_rollout.advantages.ndim == 2
+    for step in (1, 2):
+        assert log_at(trainer, step, "ratio_first_max_dev") == 0.0 and log_at(trainer, step, "kl_old_first_max") == 0.0
+        assert 0.0 <= log_at(trainer, step, "mask_frac") <= 1.0 and math.isfinite(log_at(trainer, step, "loss"))
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.trainable_params))
+
+
+def test_docstring_example_runs(tmp_path, monkeypatch):
+    import re
+    import textwrap
+
+    code = textwrap.dedent(re.search(r"```python\n(.*?)```", StepwiseFlowGRPOTrainer.__doc__, re.S).group(1))
+    monkeypatch.chdir(tmp_path)
+    scope = {}
+    exec(compile(code, "StepwiseFlowGRPOTrainer.__doc__", "exec"), scope)
+    trainer = scope["trainer"]
+    assert trainer.config.sampler == "ddim" and trainer.state.global_step == 2
+    assert (tmp_path / "out" / "final" / "pytorch_lora_weights.safetensors").exists()
+    assert all(e["ratio_first_max_dev"] == 0.0 for e in trainer.state.log_history)

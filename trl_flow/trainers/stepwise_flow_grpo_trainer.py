@@ -87,7 +87,8 @@ class StepwiseFlowGRPOTrainer(FlowGRPOTrainer):
     2. Gains ``g_k = r_{k+1} - r_k`` (N, K), which telescope to ``r_K - r_0``.
     3. Advantages ``A_{i,k}`` (N, K): gains normalised jointly over all (trajectory, trained step) pairs of the
        group (``gain_normalization``), gathered over processes first, clipped to ``+-adv_clip_max``.
-    4. Loss: Flow-GRPO's, per trained step k with ``A_{i,k}``. A (sample, step) pair is trained iff the step has
+    4. Loss: Flow-GRPO's, per trained step k with ``A_{i,k}`` (``trust_region`` clip or Flow-DPPO's kl_mask,
+       plus ``beta`` KL in ``kl_form``). A (sample, step) pair is trained iff the step has
        a density (std > 0: never ``ddim``'s first or the last step) and its gain is defined; a missing final
        reward therefore leaves the earlier steps' gains trained.
     """
