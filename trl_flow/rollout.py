@@ -87,6 +87,7 @@ def sample_trajectories(
     start_states: torch.Tensor | None = None,
     start_step: int = 0,
     autocast=None,
+    on_chunk=None,
 ) -> dict[str, torch.Tensor]:
     """Run the sampler over a batch in chunks of ``batch_size``.
 
@@ -96,6 +97,7 @@ def sample_trajectories(
         start_states: optional (N, *L) states at step ``start_step``: sampling resumes there (used to regenerate
             the tail of a stored trajectory); the returned tensors still cover all K steps, with the steps before
             ``start_step`` left as zeros for the caller to fill in.
+        on_chunk: optional ``on_chunk(rows: slice, final_states (b, *L))``, called as each chunk finishes.
 
     Returns:
         ``states`` (N, K + 1, *L), ``log_probs`` (N, K), ``means`` (N, K, *L), ``stds`` (K,).
@@ -130,6 +132,8 @@ def sample_trajectories(
             states[idx, k + 1] = x
             means[idx, k] = mean
             log_probs[idx, k] = lp
+        if on_chunk is not None:
+            on_chunk(idx, states[idx, K])
     return {"states": states, "log_probs": log_probs, "means": means, "stds": stds}
 
 
@@ -143,6 +147,10 @@ def concat_rollouts(parts: list[Rollout]) -> Rollout:
         if (not torch.equal(p.schedule.sigmas, first.schedule.sigmas) or not torch.equal(p.stds, first.stds)
                 or p.extras.get("step_kinds") != first.extras.get("step_kinds")):
             raise ValueError("concat_rollouts: rollouts must share the schedule and step kinds")
+
+    # scoring started during sampling (reward_num_workers) carries over, in order, when every part has it
+    pending = [p.extras.get("pending_scores") for p in parts]
+    pending = {"pending_scores": [x for p in pending for x in p]} if all(p is not None for p in pending) else {}
 
     def cat(name):
         vals = [getattr(p, name) for p in parts]
@@ -159,5 +167,5 @@ def concat_rollouts(parts: list[Rollout]) -> Rollout:
         means=cat("means"),
         stds=first.stds,
         train_mask=cat("train_mask"),
-        extras={"step_kinds": first.extras.get("step_kinds")},
+        extras={"step_kinds": first.extras.get("step_kinds"), **pending},
     )
