@@ -243,13 +243,15 @@ def trocr_dir(tmp_path_factory):
                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                       decoder_start_token_id=tok.bos_token_id)
     cfg = VisionEncoderDecoderConfig.from_encoder_decoder_configs(enc, dec)
-    cfg.decoder_start_token_id, cfg.pad_token_id, cfg.eos_token_id = tok.bos_token_id, tok.pad_token_id, tok.eos_token_id
+    cfg.decoder_start_token_id, cfg.pad_token_id = tok.bos_token_id, tok.pad_token_id
+    cfg.eos_token_id = tok.eos_token_id
     torch.manual_seed(0)
     model = VisionEncoderDecoderModel(cfg)
     model.generation_config.suppress_tokens = [tok.bos_token_id]  # so the random model reads some characters
     d = tmp_path_factory.mktemp("trocr")
     model.save_pretrained(d)
-    TrOCRProcessor(image_processor=ViTImageProcessor(size={"height": 32, "width": 32}), tokenizer=tok).save_pretrained(d)
+    processor = TrOCRProcessor(image_processor=ViTImageProcessor(size={"height": 32, "width": 32}), tokenizer=tok)
+    processor.save_pretrained(d)
     return str(d)
 
 
@@ -324,7 +326,17 @@ def test_registry_by_name_and_dotted_path(clip_dir):
     assert rewards.get_reward("my_brightness", scale=2.0)(torch.ones(2, 3, 4, 4), ["a", "b"]) == [2.0, 2.0]
 
 
-def test_trainer_puts_reward_models_on_its_device_and_dtype(clip_dir, make_trainer):
+@pytest.fixture
+def fresh_accelerate_state():
+    """accelerate keeps one AcceleratorState per process and refuses a second mixed-precision setting."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_trainer_puts_reward_models_on_its_device_and_dtype(clip_dir, make_trainer, fresh_accelerate_state):
     reward = rewards.clip_score(model_name_or_path=clip_dir)
     trainer = make_trainer(rewards=[reward], bf16=True, max_steps=1)
     assert trainer.reward_names == ["clip_score"]

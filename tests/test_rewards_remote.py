@@ -23,7 +23,7 @@ import torch
 
 from trl_flow.rewards import RemoteReward, RemoteRewardError, ScoreParser, VLMJudgeReward
 from trl_flow.rewards.server import build_app, build_arg_parser
-from trl_flow.rewards.wire import SCHEMA_VERSION, decode_images, encode_images
+from trl_flow.rewards.wire import decode_images, encode_images
 
 uvicorn = pytest.importorskip("uvicorn")  # in the `test` extra; only skipped where the extra is not installed
 

@@ -17,7 +17,15 @@ See docs/rewards.md.
 
 from .base import RewardModel, clear_model_cache
 from .clip import AestheticReward, CLIPScoreReward, PickScoreReward, aesthetic, clip_score, pickscore
-from .core import RewardFunc, compute_rewards, jpeg_compressibility, jpeg_incompressibility, reward_name, validate_reward_funcs
+from .core import (
+    RewardFunc,
+    call_scores,
+    compute_rewards,
+    jpeg_compressibility,
+    jpeg_incompressibility,
+    reward_name,
+    validate_reward_funcs,
+)
 from .hps import HPSv2Reward, ImageRewardReward, hpsv2, image_reward
 from .judge import DEFAULT_RUBRIC, ScoreParser, VLMJudgeReward
 from .ocr import OCRReward, ocr, ocr_similarity
@@ -60,6 +68,7 @@ __all__ = [
     "VLMJudgeReward",
     "aesthetic",
     "available_rewards",
+    "call_scores",
     "clear_model_cache",
     "clip_score",
     "compute_rewards",

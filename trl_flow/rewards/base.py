@@ -59,6 +59,8 @@ def check_images(images, n: int, who: str) -> torch.Tensor:
     """``images`` as a float tensor (B, 3, H, W) or (B, F, 3, H, W) with B == n, else a ``ValueError``."""
     if not isinstance(images, torch.Tensor):
         raise TypeError(f"{who}: images must be a float tensor (B, 3, H, W) in [0, 1], got {type(images).__name__}")
+    if not images.is_floating_point():
+        raise TypeError(f"{who}: images must be floats in [0, 1], got {images.dtype}")
     video = images.ndim == 5 and images.shape[2] == 3
     if not (video or (images.ndim == 4 and images.shape[1] == 3)):
         raise ValueError(f"{who}: images must be (B, 3, H, W) or video (B, F, 3, H, W), got {tuple(images.shape)}")

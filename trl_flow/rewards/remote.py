@@ -163,7 +163,8 @@ class RemoteReward:
         out = {}
         for k in names:
             if k not in columns:
-                raise KeyError(f"reward {self.__name__!r}: column {k!r} is not a dataset column (have {sorted(columns)})")
+                raise KeyError(f"reward {self.__name__!r}: column {k!r} is not a dataset column "
+                               f"(have {sorted(columns)})")
             vals = list(columns[k])
             try:
                 json.dumps(vals, allow_nan=False)

@@ -15,6 +15,7 @@ name or imported by ``module:callable``, its keyword arguments are JSON.
 import argparse
 import json
 import logging
+import math
 import threading
 from typing import Any
 
@@ -40,7 +41,7 @@ def build_app(reward, name: str | None = None, max_request_bytes: int = 64 * 2**
     from pydantic import BaseModel, ConfigDict, Field, ValidationError
     from starlette.concurrency import run_in_threadpool
 
-    from .core import compute_rewards, reward_name
+    from .core import call_scores, reward_name
 
     if not callable(reward):
         raise TypeError(f"build_app: reward {reward!r} is not callable")
@@ -66,8 +67,11 @@ def build_app(reward, name: str | None = None, max_request_bytes: int = 64 * 2**
 
     def run_reward(images, prompts, columns):
         with lock:  # one call at a time: reward models are rarely thread-safe, and a GPU gains nothing
-            total, _ = compute_rewards([reward], [name], [1.0], images, prompts, columns)
-        return [None if v != v else float(v) for v in total.tolist()]  # NaN -> null
+            try:
+                out = reward(images, prompts, **columns)
+            except Exception as e:
+                raise RuntimeError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
+        return [None if math.isnan(v) else v for v in call_scores(out, len(prompts), name)]  # NaN/inf -> null
 
     @app.get("/health")
     def health():
@@ -105,7 +109,7 @@ def build_app(reward, name: str | None = None, max_request_bytes: int = 64 * 2**
             raise HTTPException(400, str(e)) from None
         try:
             scores = await run_in_threadpool(run_reward, images, req.prompts, req.columns)
-        except RuntimeError as e:  # compute_rewards names the reward and the error
+        except RuntimeError as e:  # names the reward and the error
             logger.exception("reward %s failed", name)
             raise HTTPException(500, str(e)) from None
         return {"schema_version": SCHEMA_VERSION, "reward": name, "scores": scores}
