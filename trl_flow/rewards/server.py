@@ -159,6 +159,8 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"--device/--dtype: reward {args.reward!r} has no prepare(device, dtype); pass them in "
                              "--reward-kwargs if it takes them")
         reward.prepare(args.device, args.dtype)
+    if callable(getattr(reward, "load", None)):  # a reward model: load the weights now, not at the first request
+        reward.load()
     if args.host not in LOOPBACK:
         logger.warning("binding %s: the reward server has no authentication; anyone who can reach this address "
                        "can use it", args.host)
