@@ -533,8 +533,9 @@ class FlowRLTrainer:
         m = {"reward": _nanmean(rewards), "reward_std": _nanstd(rewards),
              "no_reward_frac": float(torch.isnan(rewards).float().mean())}
         for name, r in rollout.rewards_per_func.items():
-            m[f"rewards/{name}"] = _nanmean(self.gather(r))
-            m[f"rewards/{name}_none_frac"] = float(torch.isnan(self.gather(r)).float().mean())
+            r = self.gather(r)
+            m[f"rewards/{name}"] = _nanmean(r)
+            m[f"rewards/{name}_none_frac"] = float(torch.isnan(r).float().mean())
         if rollout.advantages is not None:
             m["advantage_abs"] = float(self.gather(rollout.advantages.float()).abs().mean())
         m["time/reward_s"] = rollout.extras.get("reward_s", 0.0)
