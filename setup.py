@@ -28,7 +28,12 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "test": ["pytest>=8", "matplotlib", "tensorboard"],
+        "test": ["pytest>=8", "matplotlib", "tensorboard", "fastapi>=0.110", "uvicorn>=0.29"],
+        # rewards (docs/rewards.md): pickscore, clip_score, aesthetic and ocr need nothing beyond transformers.
+        # hpsv2 and image-reward pin incompatible timm versions: install one, or serve the other (`serve`).
+        "serve": ["fastapi>=0.110", "uvicorn>=0.29"],
+        "hpsv2": ["open_clip_torch>=2.20"],
+        "image-reward": ["image-reward>=1.5"],
         "wandb": ["wandb"],
         "quant": ["bitsandbytes"],
         "bench": ["matplotlib"],

@@ -1,6 +1,6 @@
 """trl_flow: reinforcement-learning post-training for flow-matching diffusers pipelines.
 
-prompts (data.py) -> rollout (rollout.py, kernels.py, models/) -> rewards (rewards.py) -> advantages
+prompts (data.py) -> rollout (rollout.py, kernels.py, models/) -> rewards (rewards/) -> advantages
 (advantages.py) -> loss (losses.py) -> update (trainers/).
 """
 

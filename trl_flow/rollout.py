@@ -91,6 +91,7 @@ def sample_trajectories(
     start_step: int = 0,
     autocast=None,
     keep_velocities: bool = False,
+    on_chunk=None,
 ) -> dict[str, torch.Tensor]:
     """Run the sampler over a batch in chunks of ``batch_size``.
 
@@ -101,6 +102,7 @@ def sample_trajectories(
             the tail of a stored trajectory); the returned tensors still cover all K steps, with the steps before
             ``start_step`` left as zeros for the caller to fill in.
         keep_velocities: also return the guided velocity of every step.
+        on_chunk: optional ``on_chunk(rows: slice, final_states (b, *L))``, called as each chunk finishes.
 
     Returns:
         ``states`` (N, K + 1, *L), ``log_probs`` (N, K), ``means`` (N, K, *L), ``stds`` (K,), and with
@@ -139,6 +141,8 @@ def sample_trajectories(
             log_probs[idx, k] = lp
             if keep_velocities:
                 velocities[idx, k] = v
+        if on_chunk is not None:
+            on_chunk(idx, states[idx, K])
     out = {"states": states, "log_probs": log_probs, "means": means, "stds": stds}
     if keep_velocities:
         out["velocities"] = velocities
@@ -156,6 +160,10 @@ def concat_rollouts(parts: list[Rollout]) -> Rollout:
                 or p.extras.get("step_kinds") != first.extras.get("step_kinds")):
             raise ValueError("concat_rollouts: rollouts must share the schedule and step kinds")
 
+    # scoring started during sampling (reward_num_workers) carries over, in order, when every part has it
+    pending = [p.extras.get("pending_scores") for p in parts]
+    pending = {"pending_scores": [x for p in pending for x in p]} if all(p is not None for p in pending) else {}
+
     def cat(name):
         vals = [getattr(p, name) for p in parts]
         return None if any(v is None for v in vals) else torch.cat(vals)
@@ -172,5 +180,5 @@ def concat_rollouts(parts: list[Rollout]) -> Rollout:
         stds=first.stds,
         train_mask=cat("train_mask"),
         velocities=cat("velocities"),
-        extras={"step_kinds": first.extras.get("step_kinds")},
+        extras={"step_kinds": first.extras.get("step_kinds"), **pending},
     )

@@ -73,6 +73,7 @@ class FlowRLConfig:
     kl_mask_mode: str = field(default="asymmetric", metadata={"help": "trust_region=`kl_mask`: `asymmetric` (Flow-DPPO: a step back toward the old policy is never masked) or `symmetric` (ABLATION only: mask every sample whose KL exceeds the threshold; the paper reports training collapses)."})
     reward_weights: list[float] | None = field(default=None, metadata={"help": "One weight per reward function (default: all 1)."})
     scale_rewards: str = field(default="batch", metadata={"help": "Advantage std (the mean is always the group's): `batch` (default; std over the whole gathered batch, the reference SD3 recipes' global_std=True), `group` (std over the group, the paper's formula) or `none`."})
+    reward_num_workers: int = field(default=0, metadata={"help": "Threads that decode and score each sampled microbatch while the next one is sampled (scores are the same; each reward call sees one microbatch, from a worker thread). 0: decode and score the whole batch after sampling."})
     adv_clip_max: float = field(default=5.0, metadata={"help": "Advantages are clipped to +-adv_clip_max."})
     # ---- evaluation, logging, checkpoints -------------------------------------------------------------------
     eval_steps: int = field(default=0, metadata={"help": "Evaluate every this many iterations (and before the first and after the last); 0 disables. Needs an eval_dataset."})
@@ -126,6 +127,7 @@ class FlowRLConfig:
             need(math.isfinite(getattr(self, name)) and getattr(self, name) > 0, name, "must be a positive number")
         for name in ("beta", "weight_decay", "max_grad_norm", "adv_clip_max", "lora_dropout"):
             need(math.isfinite(getattr(self, name)) and getattr(self, name) >= 0, name, "must be a finite number >= 0")
+        need(isinstance(self.reward_num_workers, int) and self.reward_num_workers >= 0, "reward_num_workers", "must be an integer >= 0 (0: score after sampling)")
         need(0 <= self.ema_decay < 1, "ema_decay", "must be in [0, 1) (0 disables EMA)")
         need(not (self.bf16 and self.fp16), "bf16", "bf16 and fp16 cannot both be set")
         if self.sde_window_size:

@@ -26,6 +26,7 @@ from ..data import check_prompt_dataset, prompt_indices
 from ..kernels import gaussian_kl, kernel_mean_std, reference_kl, sde_step
 from ..models import get_adapter, index_embeds
 from ..rewards import compute_rewards, validate_reward_funcs
+from ..rewards.scheduling import OverlappedScoring, collect_scores
 from ..rollout import Rollout, sample_trajectories, step_samplers
 from .base_config import FlowRLConfig
 
@@ -114,6 +115,10 @@ class FlowRLTrainer:
         rows = self.train_dataset[: min(2, len(self.train_dataset))]
         prompts = rows.pop("prompt")
         images = torch.full((len(prompts), 3, self.config.height, self.config.width), 0.5)
+        dtype = torch.bfloat16 if self.config.bf16 else torch.float16 if self.config.fp16 else torch.float32
+        for f in self.reward_funcs:  # reward models run on the trainer's device and dtype unless told otherwise
+            if callable(getattr(f, "prepare", None)):
+                f.prepare(self.device, dtype)
         compute_rewards(self.reward_funcs, self.reward_names, self.reward_weights, images, prompts, rows)
 
     def _setup_model(self):
@@ -243,6 +248,8 @@ class FlowRLTrainer:
             noise = self.initial_noise(step)
         kinds = self._step_kinds(step)
         self.model.eval()
+        scoring = None if not cfg.reward_num_workers else OverlappedScoring(
+            cfg.reward_num_workers, self.decode, self.reward, prompts, columns, self.device)
         traj = sample_trajectories(
             self.adapter, self.model, embeds, None if noise is None else noise.to(self.device), schedule, kinds,
             cfg.noise_level, cfg.guidance_scale, cfg.per_device_train_batch_size,
@@ -250,6 +257,7 @@ class FlowRLTrainer:
             logprob_reduction=cfg.logprob_reduction,
             start_states=None if start_states is None else start_states.to(self.device), start_step=start_step,
             autocast=self._autocast, keep_velocities=self.keep_velocities,
+            on_chunk=None if scoring is None else scoring.submit,
         )
         stochastic = torch.tensor([k != "ode" for k in kinds], device=self.device) & (traj["stds"] > 0)
         rollout = Rollout(
@@ -258,6 +266,8 @@ class FlowRLTrainer:
             train_mask=stochastic[None, :].expand(len(prompts), K).clone(), velocities=traj.get("velocities"),
         )
         rollout.extras["step_kinds"] = kinds
+        if scoring is not None:  # decoded and scored in the background; score() collects it
+            rollout.extras["pending_scores"] = [scoring]
         return rollout
 
     def initial_noise(self, step: int) -> torch.Tensor:
@@ -283,11 +293,19 @@ class FlowRLTrainer:
             return torch.cat([self.adapter.decode(latents[i : i + bs]) for i in range(0, len(latents), bs)])
 
     def score(self, rollout: Rollout) -> None:
-        """Decode the final states, call the rewards, and mask samples that no reward scored."""
-        rollout.images = self.decode(rollout.states[:, -1])
+        """Decode the final states, call the rewards, and mask samples that no reward scored (with
+        ``reward_num_workers``: collect what the workers decoded and scored during sampling)."""
+        pending = rollout.extras.pop("pending_scores", None)
         t0 = time.perf_counter()
-        rollout.rewards, rollout.rewards_per_func = self.reward(rollout.images, rollout.prompts, rollout.columns)
-        rollout.extras["reward_s"] = rollout.extras.get("reward_s", 0.0) + time.perf_counter() - t0
+        if pending is not None:
+            rollout.images, rollout.rewards, rollout.rewards_per_func, reward_s = collect_scores(pending, len(rollout))
+            rollout.extras.setdefault("metrics", {})["time/reward_wait_s"] = time.perf_counter() - t0
+        else:
+            rollout.images = self.decode(rollout.states[:, -1])
+            t0 = time.perf_counter()
+            rollout.rewards, rollout.rewards_per_func = self.reward(rollout.images, rollout.prompts, rollout.columns)
+            reward_s = time.perf_counter() - t0
+        rollout.extras["reward_s"] = rollout.extras.get("reward_s", 0.0) + reward_s
         nan = torch.isnan(rollout.rewards).to(rollout.train_mask.device)
         rollout.train_mask &= ~nan[:, None]
 
@@ -518,7 +536,9 @@ class FlowRLTrainer:
         m = {"reward": _nanmean(rewards), "reward_std": _nanstd(rewards),
              "no_reward_frac": float(torch.isnan(rewards).float().mean())}
         for name, r in rollout.rewards_per_func.items():
-            m[f"rewards/{name}"] = _nanmean(self.gather(r))
+            r = self.gather(r)
+            m[f"rewards/{name}"] = _nanmean(r)
+            m[f"rewards/{name}_none_frac"] = float(torch.isnan(r).float().mean())
         if rollout.advantages is not None:
             m["advantage_abs"] = float(self.gather(rollout.advantages.float()).abs().mean())
         m["time/reward_s"] = rollout.extras.get("reward_s", 0.0)

@@ -55,6 +55,29 @@ def validate_reward_funcs(reward_funcs, reward_weights) -> tuple[list[RewardFunc
     return list(reward_funcs), names, weights
 
 
+def call_scores(out, n: int, name: str) -> list[float]:
+    """A reward's output as ``n`` floats, NaN for None / NaN / inf; a ``RuntimeError`` naming the reward for a
+    wrong length or a non-number."""
+    if isinstance(out, torch.Tensor):
+        out = out.detach().float().cpu().reshape(-1).tolist()
+    try:
+        values = list(out)
+    except TypeError:
+        raise RuntimeError(
+            f"reward function {name!r} returned {type(out).__name__}; it must return a list of {n} floats"
+        ) from None
+    if len(values) != n:
+        raise RuntimeError(
+            f"reward function {name!r} returned {len(values)} values for {n} images; it must return one "
+            "float (or None to skip) per image"
+        )
+    try:
+        arr = [float("nan") if v is None else float(v) for v in values]
+    except (TypeError, ValueError):
+        raise RuntimeError(f"reward function {name!r} returned a non-numeric value: {values[:4]}...") from None
+    return [v if math.isfinite(v) else float("nan") for v in arr]  # an infinite score is as unusable as none
+
+
 def compute_rewards(
     reward_funcs: list[RewardFunc],
     names: list[str],
@@ -75,26 +98,7 @@ def compute_rewards(
             out = func(images, list(prompts), **columns)
         except Exception as e:  # re-raise with the reward's name; nothing has been updated yet
             raise RuntimeError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
-        if isinstance(out, torch.Tensor):
-            out = out.detach().float().cpu().reshape(-1).tolist()
-        try:
-            values = list(out)
-        except TypeError:
-            raise RuntimeError(
-                f"reward function {name!r} returned {type(out).__name__}; it must return a list of {n} floats"
-            ) from None
-        if len(values) != n:
-            raise RuntimeError(
-                f"reward function {name!r} returned {len(values)} values for {n} images; it must return one "
-                "float (or None to skip) per image"
-            )
-        try:
-            arr = [float("nan") if v is None else float(v) for v in values]
-        except (TypeError, ValueError):
-            raise RuntimeError(f"reward function {name!r} returned a non-numeric value: {values[:4]}...") from None
-        arr = torch.tensor(arr, dtype=torch.float32)
-        arr[torch.isinf(arr)] = float("nan")  # an infinite score is as unusable as a missing one
-        per_func[name] = arr
+        per_func[name] = torch.tensor(call_scores(out, n, name), dtype=torch.float32)
     stacked = torch.stack([per_func[k] for k in names], dim=1)  # (B, F)
     w = torch.tensor(weights, dtype=torch.float32)
     valid = ~torch.isnan(stacked)

@@ -1,0 +1,104 @@
+"""The JSON wire format of remote rewards (schema version 1), shared by the reward server and :class:`RemoteReward`.
+
+``POST /score`` request::
+
+    {"schema_version": 1,
+     "images":  [PNG, ...]              # one base64 PNG (RGB, 8 bit) per sample, or per sample a list of
+                                        # frame PNGs for video; every image of a request has the same size
+     "prompts": ["...", ...],           # one per sample
+     "columns": {"name": [v, ...]}}     # optional: other dataset columns, one JSON value per sample
+
+answer: ``{"schema_version": 1, "reward": NAME, "scores": [float | null, ...]}`` (one per sample, null = no
+score). ``GET /health`` answers ``{"status": "ok", "schema_version": 1, "reward": NAME}``. Errors answer an HTTP
+status >= 400 with ``{"detail": ...}``. No pickle anywhere: images are PNG, everything else is JSON.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+
+import numpy as np
+import torch
+
+from .base import to_uint8
+
+SCHEMA_VERSION = 1
+MAX_IMAGE_PIXELS = 4096 * 4096
+
+
+def _png(chw_uint8: np.ndarray) -> str:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(chw_uint8.transpose(1, 2, 0)).save(buf, format="PNG", compress_level=1)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def encode_images(images: torch.Tensor) -> list:
+    """(B, 3, H, W) or video (B, F, 3, H, W) floats in [0, 1] -> B base64 PNGs (video: B lists of F PNGs)."""
+    arr = to_uint8(images).numpy()
+    if arr.ndim == 5:
+        return [[_png(f) for f in frames] for frames in arr]
+    return [_png(a) for a in arr]
+
+
+def _unpng(data: str, where: str, max_pixels: int) -> np.ndarray:
+    from PIL import Image
+
+    try:
+        raw = base64.b64decode(data, validate=True)
+        im = Image.open(io.BytesIO(raw))
+    except (binascii.Error, ValueError, OSError) as e:
+        raise ValueError(f"{where}: not a base64 PNG ({type(e).__name__})") from None
+    if im.format != "PNG":
+        raise ValueError(f"{where}: expected a PNG, got {im.format}")
+    if im.size[0] * im.size[1] > max_pixels:  # checked on the header, before decoding the pixels
+        raise ValueError(f"{where}: {im.size[0]}x{im.size[1]} is over the limit of {max_pixels} pixels")
+    try:
+        return np.asarray(im.convert("RGB")).transpose(2, 0, 1)
+    except OSError as e:
+        raise ValueError(f"{where}: broken PNG ({e})") from None
+
+
+def decode_images(items: list, max_pixels: int = MAX_IMAGE_PIXELS) -> torch.Tensor:
+    """The inverse of :func:`encode_images`: float32 (B, 3, H, W) or (B, F, 3, H, W) in [0, 1]. Raises
+    ``ValueError`` naming the offending entry."""
+    if not items:
+        return torch.zeros(0, 3, 1, 1)
+    video = isinstance(items[0], list)
+    arrays = []
+    for i, item in enumerate(items):
+        if isinstance(item, list) != video:
+            raise ValueError(f"images[{i}]: mixes single images and videos (lists of frames) in one request")
+        if video:
+            if not item:
+                raise ValueError(f"images[{i}]: a video needs at least one frame")
+            arrays.append(np.stack([_unpng(f, f"images[{i}][{j}]", max_pixels) for j, f in enumerate(item)]))
+        else:
+            arrays.append(_unpng(item, f"images[{i}]", max_pixels))
+    shapes = {a.shape for a in arrays}
+    if len(shapes) > 1:
+        raise ValueError(f"images: all images of a request must have the same size (and frame count), got {shapes}")
+    return torch.from_numpy(np.stack(arrays)).float() / 255.0
+
+
+def parse_scores(answer, n: int, where: str) -> list[float | None]:
+    """Check a ``/score`` answer and return its scores; any deviation is a ``ValueError`` saying what is wrong."""
+    if not isinstance(answer, dict):
+        raise ValueError(f"{where} answered {type(answer).__name__}, expected a JSON object")
+    if answer.get("schema_version") != SCHEMA_VERSION:
+        raise ValueError(f"{where} speaks schema_version {answer.get('schema_version')!r}, this client "
+                         f"{SCHEMA_VERSION}; use the same trl_flow version on both sides")
+    scores = answer.get("scores")
+    if not isinstance(scores, list):
+        raise ValueError(f"{where} answered without a `scores` list: {str(answer)[:200]}")
+    if len(scores) != n:
+        raise ValueError(f"{where} answered {len(scores)} scores for {n} images")
+    out = []
+    for s in scores:
+        if s is not None and (isinstance(s, bool) or not isinstance(s, (int, float))):
+            raise ValueError(f"{where} answered a non-numeric score {s!r}")
+        out.append(None if s is None else float(s))
+    return out
