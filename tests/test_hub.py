@@ -4,11 +4,11 @@ huggingface_hub API boundary (HfApi methods); nothing touches the network."""
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import types
 from pathlib import Path
-from unittest import mock
 
 import pytest
 import torch
@@ -85,7 +85,8 @@ def test_push_uploads_only_lora_card_grid_and_buffer_and_the_card_is_complete(on
                       push_to_hub=True, hub_model_id="tiny-op-grpo", hub_base_model=BASE,
                       hub_include_replay_buffer=True, save_steps=1, report_to="tensorboard", run_name="tb",
                       eval_steps=1, log_images_steps=1)
-    trainer = OPGRPOTrainer(cfg, fresh_pipe(), [brightness], train_dataset=list(PROMPTS), eval_dataset=PROMPTS[:2])
+    eval_prompts = ['a sign saying "hi"', "a red dog"]  # quotes must survive the card's YAML and code
+    trainer = OPGRPOTrainer(cfg, fresh_pipe(), [brightness], train_dataset=list(PROMPTS), eval_dataset=eval_prompts)
     assert online_hub.calls == ["whoami"]  # checked once, at construction
     trainer.train()
 
@@ -105,7 +106,7 @@ def test_push_uploads_only_lora_card_grid_and_buffer_and_the_card_is_complete(on
     assert data["license_link"] == f"https://huggingface.co/{BASE}/blob/main/LICENSE.md"
     assert data["tags"] == ["trl", "trl-flow", "op-grpo", "diffusers", "lora", "text-to-image"]
     assert data["pipeline_tag"] == "text-to-image" and data["base_model_relation"] == "adapter"
-    assert data["widget"] == [{"text": "a cat", "output": {"url": "images/before_after.png"}}]
+    assert data["widget"] == [{"text": eval_prompts[0], "output": {"url": "images/before_after.png"}}]
     text = card.text
     assert "@article{zhang2026opgrpo" in text and "@article{liu2025flowgrpo" in text  # OP-GRPO builds on Flow-GRPO
     assert "`brightness` (weight 1)" in text
@@ -115,7 +116,9 @@ def test_push_uploads_only_lora_card_grid_and_buffer_and_the_card_is_complete(on
     import diffusers
 
     assert f"- diffusers: {diffusers.__version__}" in text
-    assert f'pipe.load_lora_weights("me/tiny-op-grpo")' in text
+    usage = text.split("```python\n")[1].split("```")[0]
+    ast.parse(usage)
+    assert 'pipe.load_lora_weights("me/tiny-op-grpo")' in usage and repr(eval_prompts[0]) in usage
     assert "TODO" not in text and "More Information Needed" not in text
     assert str(tmp_path) not in str(card)  # no path of this machine anywhere in the card
 

@@ -221,8 +221,8 @@ def before_after(trainer, prompts: list[str], seed: int = CARD_SEED):
     return grid(images, cols=len(prompts)), before is not None
 
 
-def build_model_card(trainer, repo_id: str, base_model: str | None, license: dict, has_grid: bool,
-                     has_before: bool, prompts: list[str]):
+def build_model_card(trainer, repo_id: str, base_model: str | None, license: dict, prompts: list[str],
+                     has_before: bool):
     """The ``huggingface_hub.ModelCard`` of a trained model (see the module docstring for what it holds)."""
     import yaml
     from diffusers.utils.hub_utils import populate_model_card
@@ -233,7 +233,7 @@ def build_model_card(trainer, repo_id: str, base_model: str | None, license: dic
     method_tag = trainer._method_name.replace("_", "-")
     pipeline_tag = getattr(trainer.adapter, "pipeline_tag", None) or "text-to-image"
     lora = cfg.finetune == "lora"
-    widget = [{"text": prompts[0] if prompts else "", "output": {"url": GRID_PATH}}] if has_grid else None
+    widget = [{"text": prompts[0], "output": {"url": GRID_PATH}}]
     data = ModelCardData(base_model=base_model, pipeline_tag=pipeline_tag, widget=widget,
                          base_model_relation=("adapter" if lora else "finetune") if base_model else None, **license)
     fields = {k: v for k, v in cfg.to_dict().items() if k not in _PRIVATE_FIELDS}
@@ -243,20 +243,18 @@ def build_model_card(trainer, repo_id: str, base_model: str | None, license: dic
         usage = ("import torch\nfrom diffusers import DiffusionPipeline\n\n"
                  + (f'pipe = DiffusionPipeline.from_pretrained("{base_model}", torch_dtype=torch.bfloat16)\n'
                     if base_model else "# pipe: the diffusers pipeline this LoRA was trained from\n")
-                 + f'{load}\nimage = pipe("{prompts[0] if prompts else ""}").images[0]')
+                 + f'{load}\nimage = pipe({prompts[0]!r}).images[0]')
     else:
         usage = ("import torch\nfrom diffusers import DiffusionPipeline\n\n"
                  f'pipe = DiffusionPipeline.from_pretrained("{repo_id}", torch_dtype=torch.bfloat16)\n'
-                 f'image = pipe("{prompts[0] if prompts else ""}").images[0]')
+                 f'image = pipe({prompts[0]!r}).images[0]')
     base_text = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "its base pipeline"
     kind = "A LoRA for" if lora else "A fine-tune of"
-    grid_caption = None
-    if has_grid:
-        grid_caption = (("Top row: the base model; bottom row: after training. " if has_before
-                         else "After training (the base model's samples are not available for full fine-tuning "
-                              "without a reference copy, `beta` = 0). ")
-                        + f"Deterministic (ODE) samples, {cfg.eval_num_inference_steps} steps, same noise, prompts: "
-                        + "; ".join(f"*{p}*" for p in prompts) + ".")
+    grid_caption = (("Top row: the base model; bottom row: after training. " if has_before
+                     else "After training (the base model's samples are not available for full fine-tuning "
+                          "without a reference copy, `beta` = 0). ")
+                    + f"Deterministic (ODE) samples, {cfg.eval_num_inference_steps} steps, same noise, prompts: "
+                    + "; ".join(f"*{p}*" for p in prompts) + ".")
     card = ModelCard.from_template(
         data,
         template_path=TEMPLATE,
@@ -286,16 +284,14 @@ def build_model_card(trainer, repo_id: str, base_model: str | None, license: dic
 
 
 # ------------------------------------------------------------------------------------------------- upload
-def upload_patterns(trainer, include_replay_buffer: bool, has_grid: bool) -> list[str]:
+def upload_patterns(trainer, include_replay_buffer: bool) -> list[str]:
     """The files of ``output_dir`` that are uploaded: the model ``save_model`` wrote, the card, the grid, and the
     replay buffer if asked for."""
     if trainer.config.finetune == "lora":
         patterns = [LORA_WEIGHT_NAME]
     else:  # save_pretrained: model_index.json and one folder per component
         patterns = ["model_index.json"] + [f"{name}/*" for name, c in trainer.pipe.components.items() if c is not None]
-    patterns.append("README.md")
-    if has_grid:
-        patterns.append(GRID_PATH)
+    patterns += ["README.md", GRID_PATH]
     if include_replay_buffer:
         patterns.append(f"{BUFFER_DIR}/*")
     return patterns
@@ -330,10 +326,9 @@ def push_to_hub(trainer, commit_message: str = "End of training", private: bool 
             buffer_dir = os.path.join(cfg.output_dir, BUFFER_DIR)
             shutil.rmtree(buffer_dir, ignore_errors=True)
             trainer.replay_buffer.save_to_disk(buffer_dir)
-        card = build_model_card(trainer, repo_id, base, license, has_grid=True, has_before=has_before,
-                                prompts=prompts)
+        card = build_model_card(trainer, repo_id, base, license, prompts, has_before)
         card.save(os.path.join(cfg.output_dir, "README.md"))
         api.upload_folder(repo_id=repo_id, folder_path=cfg.output_dir, commit_message=commit_message,
-                          allow_patterns=upload_patterns(trainer, include, has_grid=True))
+                          allow_patterns=upload_patterns(trainer, include))
     acc.wait_for_everyone()
     return repo_id
