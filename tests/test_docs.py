@@ -76,6 +76,8 @@ def config_table(cls) -> str:
         shown = value if isinstance(value, str) else repr(value)
         text = f.metadata.get("help", "").replace("|", "\\|").replace("\n", " ")
         rows.append(f"| `{f.name}` | `{shown}` | {text} |")
+    if len(rows) == 2:
+        return f"`{cls.__name__}` has no fields or defaults of its own: the shared fields apply as they are.\n"
     return "\n".join(rows) + "\n"
 
 
