@@ -234,6 +234,7 @@ def test_full_finetune_uploads_the_pipeline_folders(online_hub, tmp_path, fresh_
                       hub_license="apache-2.0")
     trainer = FlowGRPOTrainer(cfg, fresh_pipe(), [brightness], train_dataset=PROMPTS)
     trainer.train()
+    trainer.adapter.pipeline_tag = "text-to-video"  # what a video family's adapter declares
     with pytest.warns(UserWarning, match="no base_model"):
         trainer.push_to_hub()
     files = online_hub.uploaded()
@@ -245,6 +246,7 @@ def test_full_finetune_uploads_the_pipeline_folders(online_hub, tmp_path, fresh_
 
     data = ModelCard.load(online_hub.remote / "README.md").data.to_dict()
     assert data["license"] == "apache-2.0" and "base_model" not in data and "lora" not in data["tags"]
+    assert data["pipeline_tag"] == "text-to-video" and data["tags"][-1] == "text-to-video"
     reloaded = load_pipeline(str(online_hub.remote))
     trained = trainer.accelerator.unwrap_model(trainer.model).state_dict()
     assert all(torch.equal(v, trained[k]) for k, v in reloaded.transformer.state_dict().items())
