@@ -9,7 +9,11 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["trl_flow", "trl_flow.*"]),
     include_package_data=True,
-    package_data={"trl_flow.tasks.shapes": ["base_model/**/*", "base_model/*"]},
+    package_data={
+        "trl_flow.tasks.shapes": ["base_model/**/*", "base_model/*"],
+        "trl_flow": ["accelerate_configs/*.yaml", "recipes/*.yaml", "recipes/*.md", "templates/*.md"],
+    },
+    entry_points={"console_scripts": ["trl-flow=trl_flow.cli:main"]},
     python_requires=">=3.10",
     # torch is deliberately NOT pinned here beyond a floor: install it first (see README), since a bare
     # `torch` requirement resolved by pip pulls a multi-GB CUDA build.
@@ -23,12 +27,14 @@ setup(
         "trl>=0.20",
         "safetensors",
         "huggingface_hub",
+        "jinja2",
+        "pyyaml",
         "numpy",
         "pillow",
         "tqdm",
     ],
     extras_require={
-        "test": ["pytest>=8", "matplotlib", "tensorboard", "fastapi>=0.110", "uvicorn>=0.29"],
+        "test": ["pytest>=8", "matplotlib", "tensorboard", "wandb", "fastapi>=0.110", "uvicorn>=0.29"],
         # rewards (docs/rewards.md): pickscore, clip_score, aesthetic and ocr need nothing beyond transformers.
         # hpsv2 and image-reward pin incompatible timm versions: install one, or serve the other (`serve`).
         "serve": ["fastapi>=0.110", "uvicorn>=0.29"],

@@ -47,23 +47,35 @@ def prompt_indices(n: int, prompts_per_step: int, step: int, seed: int) -> list[
     return out
 
 
-def load_prompts(source: str, split: str = "train"):
+def load_prompts(source: str, split: str = "train", name: str | None = None):
     """Prompts as a ``datasets.Dataset`` with a ``prompt`` column, from:
 
-    - a ``.txt`` file: one prompt per non-empty line (e.g. Flow-GRPO's OCR prompts);
+    - ``shapes``: the shapes task's prompts, ``split`` ``train`` or ``test``;
+    - a ``.txt`` file: one prompt per non-empty line, stripped (e.g. Flow-GRPO's OCR prompts), read with
+      ``datasets.load_dataset("text")``;
     - a ``.jsonl`` file: one JSON object per line with a ``prompt`` key; every other key becomes a column, nested
-      values (lists, dicts) JSON-encoded as strings so that heterogeneous metadata (GenEval's ``include``) loads;
-    - anything else: ``datasets.load_dataset(source, split=split)`` (a Hub dataset or a local folder).
+      values (lists, dicts) JSON-encoded as strings so that heterogeneous metadata (GenEval's ``include``) loads
+      as written (``load_dataset("json")`` would merge the nested records into one schema, adding ``None`` keys);
+    - a folder written by ``save_to_disk``: a ``Dataset``, or the ``split`` of a ``DatasetDict``;
+    - anything else: ``datasets.load_dataset(source, name, split=split)`` (a Hub dataset or a local folder).
+
+    A file has no splits: ``split`` applies to ``shapes``, saved ``DatasetDict`` folders and Hub datasets only.
     """
     import json
     import os
 
-    from datasets import Dataset, load_dataset
+    from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 
+    if source == "shapes" and not os.path.exists(source):
+        from .tasks import shapes
+
+        if split not in ("train", "test"):
+            raise ValueError(f"shapes: split must be `train` or `test`, got {split!r}")
+        return shapes.train_prompts() if split == "train" else shapes.test_prompts()
     if source.endswith(".txt"):
-        with open(source, encoding="utf-8") as f:
-            prompts = [line.strip() for line in f if line.strip()]
-        return check_prompt_dataset(Dataset.from_dict({"prompt": prompts}), source)
+        ds = load_dataset("text", data_files=source, split="train")
+        ds = ds.map(lambda row: {"prompt": row["text"].strip()}, remove_columns=["text"])
+        return check_prompt_dataset(ds.filter(lambda row: bool(row["prompt"])), source)
     if source.endswith(".jsonl"):
         rows = []
         with open(source, encoding="utf-8") as f:
@@ -80,8 +92,12 @@ def load_prompts(source: str, split: str = "train"):
             nested = any(isinstance(v, (list, dict)) for v in vals)
             cols[k] = [json.dumps(v) if nested else v for v in vals]
         return check_prompt_dataset(Dataset.from_dict(cols), source)
-    if os.path.isdir(source) and os.path.exists(os.path.join(source, "dataset_info.json")):
-        from datasets import load_from_disk
-
-        return check_prompt_dataset(load_from_disk(source), source)
-    return check_prompt_dataset(load_dataset(source, split=split), source)
+    if os.path.isdir(source) and (os.path.exists(os.path.join(source, "dataset_info.json"))
+                                  or os.path.exists(os.path.join(source, "dataset_dict.json"))):
+        ds = load_from_disk(source)
+        if isinstance(ds, DatasetDict):
+            if split not in ds:
+                raise ValueError(f"{source}: no split {split!r}; splits: {sorted(ds)}")
+            ds = ds[split]
+        return check_prompt_dataset(ds, f"{source}[{split}]")
+    return check_prompt_dataset(load_dataset(source, name, split=split), f"{source}[{split}]")

@@ -89,6 +89,9 @@ class FlowRLConfig:
     push_to_hub: bool = field(default=False, metadata={"help": "Push the final LoRA to the Hub at the end of train()."})
     hub_model_id: str | None = field(default=None, metadata={"help": "Hub repository (default: the output_dir's name)."})
     hub_private_repo: bool | None = field(default=None, metadata={"help": "Create the Hub repository as private."})
+    hub_base_model: str | None = field(default=None, metadata={"help": "Hub id of the base model written in the model card (default: the pipeline's own name when it is a Hub id; a local path is never written)."})
+    hub_license: str | None = field(default=None, metadata={"help": "License of the pushed model (default: the base model's license, read from its Hub card)."})
+    hub_include_replay_buffer: bool = field(default=False, metadata={"help": "Also upload the trainer's replay buffer (OP-GRPO), as a `datasets` folder `replay_buffer/` of the model repository."})
     disable_tqdm: bool = field(default=False, metadata={"help": "Hide the progress bar."})
 
     def __post_init__(self):
@@ -141,10 +144,19 @@ class FlowRLConfig:
             self.report_to = []
         if isinstance(self.report_to, str):
             self.report_to = [] if self.report_to in ("none", "") else [self.report_to]
-        allowed = {"all", "wandb", "tensorboard", "comet_ml", "mlflow", "aim", "clearml", "dvclive", "trackio", "swanlab"}
+        from accelerate.utils import LoggerType
+
+        allowed = {t.value for t in LoggerType}
         bad = [r for r in self.report_to if r not in allowed and r != "none"]
         need(not bad, "report_to", f"unknown tracker(s) {bad}; use none, all, wandb or tensorboard")
         self.report_to = [r for r in self.report_to if r != "none"]
+        if self.hub_base_model is not None:
+            from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+            try:
+                validate_repo_id(self.hub_base_model)
+            except HFValidationError as e:
+                need(False, "hub_base_model", f"must be a Hub id like `org/name` ({e})")
         if self.save_total_limit is not None:
             need(self.save_total_limit >= 1, "save_total_limit", "must be >= 1 or None")
 

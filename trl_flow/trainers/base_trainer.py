@@ -28,6 +28,7 @@ from ..models import get_adapter, index_embeds
 from ..rewards import compute_rewards, validate_reward_funcs
 from ..rewards.scheduling import OverlappedScoring, collect_scores
 from ..rollout import Rollout, sample_trajectories, step_samplers
+from . import tracking
 from .base_config import FlowRLConfig
 
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
@@ -100,6 +101,10 @@ class FlowRLTrainer:
                 f"prompts_per_step * num_generations = {config.train_batch_size} must be divisible by the number "
                 f"of processes ({self.accelerator.num_processes})"
             )
+        if config.push_to_hub:  # fail now, not after training, when the Hub cannot be reached
+            from ..hub import check_hub_access
+
+            check_hub_access(self.accelerator)
         self.state = TrainerState()
         self._check_rewards()
         self._setup_model()
@@ -144,9 +149,9 @@ class FlowRLTrainer:
                     LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                                init_lora_weights=True, target_modules=targets)
                 )
-            for p in transformer.parameters():  # trainable LoRA weights stay float32
-                if p.requires_grad:
-                    p.data = p.data.float()
+            from diffusers.training_utils import cast_training_params
+
+            cast_training_params(transformer, dtype=torch.float32)  # trainable LoRA weights stay float32
         else:
             if cfg.beta > 0:
                 self.ref_model = copy.deepcopy(transformer).requires_grad_(False).to(self.weight_dtype)
@@ -528,6 +533,7 @@ class FlowRLTrainer:
         metrics.update(rollout.extras.get("metrics", {}))
         if self.config.log_images_steps and (step + 1) % self.config.log_images_steps == 0:
             self._save_grid(rollout.images, f"train_step_{step + 1}.png")
+        tracking.log_rollout(self, rollout, step + 1)
         self.last_rollout = rollout
         return metrics
 
@@ -645,28 +651,22 @@ class FlowRLTrainer:
             total, per_func = self.reward(images, prompts[lo:hi], {k: v[lo:hi] for k, v in rows.items()})
         else:
             total, per_func = torch.zeros(0), {k: torch.zeros(0) for k in self.reward_names}
-        m = {"eval/reward": _nanmean(_gather_object(acc, total))}
-        for name, r in per_func.items():
-            m[f"eval/{name}"] = _nanmean(_gather_object(acc, r))
+        all_total = _gather_object(acc, total)
+        all_per_func = {name: _gather_object(acc, r) for name, r in per_func.items()}
+        m = {"eval/reward": _nanmean(all_total), **{f"eval/{n}": _nanmean(r) for n, r in all_per_func.items()}}
         if images is not None:
             self._save_grid(images[:64], f"eval_step_{self.state.global_step}.png")
+        tracking.log_eval(self, images, prompts[lo:hi], total, per_func, all_total, all_per_func,
+                          self.state.global_step)
         self.last_eval_images = images
         return m
 
     def _save_grid(self, images: torch.Tensor, filename: str) -> None:
         if not self.accelerator.is_main_process or images is None or not len(images):
             return
-        from diffusers.utils import make_image_grid
-        from PIL import Image
-
-        arr = (images[:64].detach().float().clamp(0, 1).cpu().permute(0, 2, 3, 1).numpy() * 255).round()
-        pil = [Image.fromarray(a.astype("uint8")) for a in arr]
-        cols = min(8, len(pil))
-        rows = math.ceil(len(pil) / cols)
-        pil += [Image.new("RGB", pil[0].size)] * (rows * cols - len(pil))
         out = os.path.join(self.config.output_dir, "samples")
         os.makedirs(out, exist_ok=True)
-        make_image_grid(pil, rows=rows, cols=cols).save(os.path.join(out, filename))
+        tracking.grid(images[:64]).save(os.path.join(out, filename))
 
     # ---------------------------------------------------------------------------------------- checkpoints
     def _save_lora_hook(self, models, weights, output_dir):
@@ -747,35 +747,13 @@ class FlowRLTrainer:
         acc.wait_for_everyone()
         return output_dir
 
-    def push_to_hub(self, commit_message: str = "End of training", private: bool | None = None) -> str:
-        """Save the model to ``output_dir`` and upload it (no checkpoints) to ``hub_model_id`` with a model card."""
-        from huggingface_hub import create_repo, upload_folder
+    def push_to_hub(self, commit_message: str = "End of training", private: bool | None = None,
+                    include_replay_buffer: bool | None = None) -> str:
+        """Save the model and upload it to ``hub_model_id`` with a model card: see :func:`trl_flow.hub.push_to_hub`."""
+        from ..hub import push_to_hub
 
-        cfg = self.config
-        self.save_model(cfg.output_dir)
-        repo_id = cfg.hub_model_id or os.path.basename(os.path.abspath(cfg.output_dir))
-        if not self.accelerator.is_main_process:
-            return repo_id
-        repo_id = create_repo(repo_id, exist_ok=True,
-                              private=private if private is not None else cfg.hub_private_repo).repo_id
-        self._write_model_card(repo_id)
-        upload_folder(repo_id=repo_id, folder_path=cfg.output_dir, commit_message=commit_message,
-                      ignore_patterns=["checkpoint-*", "checkpoint-*/**", "*.pkl", "runs/**"])
-        return repo_id
-
-    def _write_model_card(self, repo_id: str) -> None:
-        from diffusers.utils.hub_utils import load_or_create_model_card, populate_model_card
-
-        base = getattr(self.pipe, "name_or_path", None) or self.pipe.config.get("_name_or_path")
-        last = self.state.log_history[-1] if self.state.log_history else {}
-        desc = (f"# {repo_id}\n\nLoRA trained with trl_flow's `{type(self).__name__}` ({self.paper}) for "
-                f"{self.state.global_step} iterations on rewards {', '.join(self.reward_names)}.\n\n"
-                f"Last logged metrics: {json.dumps({k: round(v, 5) for k, v in last.items()})}\n\n"
-                "```python\npipe.load_lora_weights(\"" + repo_id + "\")\n```\n")
-        card = load_or_create_model_card(repo_id, from_training=True, base_model=base, model_description=desc,
-                                         inference=True)
-        card = populate_model_card(card, tags=["trl_flow", self._method_name, "lora", "reinforcement-learning"])
-        card.save(os.path.join(self.config.output_dir, "README.md"))
+        return push_to_hub(self, commit_message=commit_message, private=private,
+                           include_replay_buffer=include_replay_buffer)
 
     paper = ""
 
@@ -796,9 +774,7 @@ def _flat_config(cfg) -> dict:
 
 
 def _nanmean(t: torch.Tensor) -> float:
-    t = t.float()
-    ok = ~torch.isnan(t)
-    return float(t[ok].mean()) if ok.any() else float("nan")
+    return float(torch.nanmean(t.float()))
 
 
 def _nanstd(t: torch.Tensor) -> float:

@@ -1,0 +1,184 @@
+"""The trl-flow command line: parsing (YAML recipes, overrides, no abbreviations), lazy trainer lookup,
+reward resolution, dataset splits, and the hand-off to accelerate launch."""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+
+import pytest
+
+from trl_flow import cli
+
+
+def test_full_option_names_only(capsys):
+    with pytest.raises(cli.CLIError, match="unrecognized arguments: --num_gen 3"):
+        cli.parse_args("grpo", ["--num_gen", "3"])
+    assert cli.main(["grpo", "--num_gen", "3"]) == 2
+    assert "--num_gen" in capsys.readouterr().err
+    _, config, rest = cli.parse_args("grpo", ["--num_generations", "3"])
+    assert config.num_generations == 3 and rest == []
+
+
+def test_yaml_recipe_sets_fields_and_the_command_line_overrides_it(tmp_path):
+    from trl_flow import FlowGRPOConfig
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("trainer: grpo\ndataset_name: prompts.txt\nreward_funcs: [jpeg_incompressibility]\n"
+                      "learning_rate: 1e-4\nnum_generations: 6\nlora_target_modules: [attn.to_q, attn.to_v]\n"
+                      "bf16: true\nreport_to: none\n")
+    script, config, _ = cli.parse_args("grpo", ["--config", str(recipe), "--num_generations", "12"])
+    assert isinstance(config, FlowGRPOConfig)
+    assert config.learning_rate == 1e-4 and config.num_generations == 12 and config.bf16 is True
+    assert config.lora_target_modules == ["attn.to_q", "attn.to_v"] and config.report_to == []
+    assert script.dataset_name == "prompts.txt" and script.reward_funcs == ["jpeg_incompressibility"]
+    assert script.dataset_train_split == "train" and script.dataset_test_split == "test"
+    assert script.model_name_or_path == "stabilityai/stable-diffusion-3.5-medium"
+
+    recipe.write_text("num_generations: 4\nnum_generation: 5\n")
+    with pytest.raises(cli.CLIError, match=r"--config: unknown keys \['num_generation'\]"):
+        cli.parse_args("grpo", ["--config", str(recipe)])
+    recipe.write_text("trainer: op-grpo\n")
+    with pytest.raises(cli.CLIError, match="this recipe is for `trl-flow op-grpo`"):
+        cli.parse_args("grpo", ["--config", str(recipe)])
+    with pytest.raises(cli.CLIError, match="not a file and not a name shipped in trl_flow/recipes"):
+        cli.parse_args("grpo", ["--config", "no_such_recipe"])
+    with pytest.raises(cli.CLIError, match=r"FlowGRPOConfig.clip_range=2.0: must be in \(0, 1\)|clip_range"):
+        cli.parse_args("grpo", ["--clip_range", "2"])
+
+
+def test_trainers_are_looked_up_lazily(monkeypatch):
+    import trl_flow
+
+    monkeypatch.setitem(cli.TRAINERS, "future", ("FutureConfig", "FutureTrainer", "a later method"))
+    with pytest.raises(cli.CLIError, match="FutureTrainer is not available in this version of trl_flow"):
+        cli.parse_args("future", [])
+    assert cli.main(["future", "--max_steps", "1"]) == 2
+    # The moment the package exports the classes, the subcommand works.
+    monkeypatch.setattr(trl_flow, "FutureConfig", trl_flow.FlowGRPOConfig, raising=False)
+    monkeypatch.setattr(trl_flow, "FutureTrainer", trl_flow.FlowGRPOTrainer, raising=False)
+    _, config, _ = cli.parse_args("future", ["--max_steps", "3"])
+    assert isinstance(config, trl_flow.FlowGRPOConfig) and config.max_steps == 3
+
+
+def test_reward_server_is_dispatched_lazily(monkeypatch, capsys):
+    seen = []
+    server = types.SimpleNamespace(main=lambda argv: seen.append(argv) or 0)
+    monkeypatch.setitem(sys.modules, "trl_flow.rewards.server", server)
+    real_import = cli.importlib.import_module
+    monkeypatch.setattr(cli.importlib, "import_module",
+                        lambda name: server if name == "trl_flow.rewards.server" else real_import(name))
+    assert cli.main(["reward-server", "--port", "8123"]) == 0 and seen == [["--port", "8123"]]
+
+    def missing(name):
+        raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+    monkeypatch.setattr(cli.importlib, "import_module", missing)
+    assert cli.main(["reward-server"]) == 2
+    assert "reward-server: error: not available in this version" in capsys.readouterr().err
+
+
+def test_rewards_resolve_from_names_modules_and_classes(tmp_path, monkeypatch):
+    from trl_flow.rewards import jpeg_incompressibility
+    from trl_flow.tasks.shapes import shapes_partial_reward
+
+    (tmp_path / "my_rewards.py").write_text(
+        "def score(images, prompts, **kw):\n    return [1.0] * len(prompts)\n\n"
+        "class Scorer:\n    def __call__(self, images, prompts, **kw):\n        return [2.0] * len(prompts)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert cli.resolve_reward("jpeg_incompressibility") is jpeg_incompressibility
+    assert cli.resolve_reward("shapes_partial") is shapes_partial_reward
+    assert cli.resolve_reward("my_rewards:score")(None, ["a"]) == [1.0]
+    assert cli.resolve_reward("my_rewards:Scorer")(None, ["a", "b"]) == [2.0, 2.0]  # a class is instantiated
+    with pytest.raises(cli.CLIError, match="unknown reward; use one of .*jpeg_compressibility"):
+        cli.resolve_reward("jpeg")
+    with pytest.raises(cli.CLIError, match="cannot import 'nope' from 'my_rewards'"):
+        cli.resolve_reward("my_rewards:nope")
+
+
+def test_eval_dataset_loads_the_test_split(tmp_path, monkeypatch):
+    import datasets
+    from datasets import Dataset, DatasetDict
+
+    calls, real_load_dataset = [], datasets.load_dataset
+
+    def fake_load_dataset(path, name=None, split=None, **kw):  # the Hub; local builders run for real
+        if path in ("text", "json"):
+            return real_load_dataset(path, name, split=split, **kw)
+        calls.append((path, name, split))
+        return Dataset.from_dict({"prompt": [f"{path}:{split}"]})
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    script, config, _ = cli.parse_args("grpo", ["--dataset_name", "org/prompts", "--dataset_config", "geneval",
+                                                 "--eval_dataset", "org/eval-prompts"])
+    train, evald = cli._load_datasets(script, config)
+    assert calls == [("org/prompts", "geneval", "train"), ("org/eval-prompts", None, "test")]
+    assert train["prompt"] == ["org/prompts:train"] and evald["prompt"] == ["org/eval-prompts:test"]
+    # With eval_steps and no eval_dataset, the test split of dataset_name; a custom split name is honoured.
+    calls.clear()
+    script, config, _ = cli.parse_args("grpo", ["--dataset_name", "org/prompts", "--eval_steps", "5",
+                                                 "--dataset_test_split", "validation"])
+    cli._load_datasets(script, config)
+    assert calls == [("org/prompts", None, "train"), ("org/prompts", None, "validation")]
+
+    # A DatasetDict saved on disk: each split from its own rows.
+    folder = tmp_path / "dd"
+    DatasetDict({"train": Dataset.from_dict({"prompt": ["a", "b"]}),
+                 "test": Dataset.from_dict({"prompt": ["held out"]})}).save_to_disk(str(folder))
+    script, config, _ = cli.parse_args("grpo", ["--dataset_name", str(folder), "--eval_dataset", str(folder)])
+    train, evald = cli._load_datasets(script, config)
+    assert train["prompt"] == ["a", "b"] and evald["prompt"] == ["held out"]
+    txt = tmp_path / "p.txt"
+    txt.write_text("a cat\n")
+    script, config, _ = cli.parse_args("grpo", ["--dataset_name", str(txt), "--eval_steps", "5"])
+    with pytest.raises(cli.CLIError, match="has no test split; pass --eval_dataset"):
+        cli._load_datasets(script, config)
+
+
+def test_missing_inputs_fail_before_loading_the_model(monkeypatch):
+    monkeypatch.setattr(cli, "_load_pipeline", lambda *a: pytest.fail("the model was loaded"))
+    with pytest.raises(cli.CLIError, match="reward_funcs: required"):
+        cli.run("grpo", ["--dataset_name", "shapes"])
+    with pytest.raises(cli.CLIError, match="dataset_name: required"):
+        cli.run("grpo", ["--reward_funcs", "jpeg_incompressibility"])
+    with pytest.raises(cli.CLIError, match="unknown reward"):
+        cli.run("grpo", ["--dataset_name", "shapes", "--reward_funcs", "nope"])
+
+
+def test_accelerate_config_relaunches_through_accelerate_launch(monkeypatch):
+    import accelerate.commands.launch as launch
+
+    captured = {}
+
+    def fake_launch(args):
+        captured["args"] = args
+        captured["child_env"] = os.environ.get(cli._CHILD_ENV)
+
+    monkeypatch.setattr(launch, "launch_command", fake_launch)
+    argv = ["--accelerate_config", "multi_node", "--max_steps", "2", "--machine_rank", "1",
+            "--main_process_ip", "10.0.0.1", "--num_processes", "2", "--config", "shapes_flow_grpo"]
+    assert cli.run("grpo", argv) is None
+    args = captured["args"]
+    assert args.config_file == cli.shipped("accelerate_configs")["multi_node"]
+    assert args.machine_rank == 1 and args.main_process_ip == "10.0.0.1" and args.num_processes == 2
+    assert args.module and args.training_script == "trl_flow.cli"
+    # The started processes get the command without the launch options (the "2" of max_steps stays).
+    assert args.training_script_args == ["grpo", "--max_steps", "2", "--config", "shapes_flow_grpo"]
+    assert captured["child_env"] == "1" and cli._CHILD_ENV not in os.environ
+
+    with pytest.raises(cli.CLIError, match="unrecognized arguments: --num_proc"):
+        cli.run("grpo", ["--accelerate_config", "multi_gpu", "--num_proc", "2"])
+    with pytest.raises(cli.CLIError, match="not a name shipped in trl_flow/accelerate_configs"):
+        cli.run("grpo", ["--accelerate_config", "tpu_pod", "--dataset_name", "shapes"])
+    with pytest.raises(cli.CLIError, match="`accelerate launch` options need --accelerate_config"):
+        cli.run("grpo", ["--num_processes", "2"])
+
+
+def test_top_level_help_lists_the_commands(capsys):
+    assert cli.main([]) == 0
+    out = capsys.readouterr().out
+    for name in ("grpo", "op-grpo", "stepwise", "dppo", "reward-server"):
+        assert name in out
+    with pytest.raises(SystemExit):
+        cli.main(["gpro"])

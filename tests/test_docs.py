@@ -1,0 +1,166 @@
+"""The docs stay true: every python block of README.md and docs/*.md parses, every `trl-flow ...` command line in
+them (and in the shipped recipes' and accelerate configs' comments) is accepted by the CLI parser, and every
+generated config table matches its dataclass.
+
+Config tables sit between ``<!-- config-table: ClassName -->`` and ``<!-- /config-table -->``; regenerate them with
+``python tests/test_docs.py --update`` after changing a config (a table whose class this version lacks is left
+as it is and checked once the class exists).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import glob
+import os
+import re
+import shlex
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGES = sorted([os.path.join(ROOT, "README.md"), *glob.glob(os.path.join(ROOT, "docs", "*.md"))])
+BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+TABLE = re.compile(r"(<!-- config-table: (\w+) -->\n)(.*?)(<!-- /config-table -->)", re.S)
+
+
+def _rel(path):
+    return os.path.relpath(path, ROOT)
+
+
+def python_blocks():
+    for page in PAGES:
+        for m in BLOCK.finditer(open(page, encoding="utf-8").read()):
+            if m.group(1) == "python":
+                yield page, m.group(2)
+
+
+def command_lines():
+    """(source, line) of every `trl-flow ...` command: in code blocks of the pages, and in the `#   trl-flow` comment
+    lines of the shipped YAML files. Backslash continuations are joined; leading VAR=value assignments dropped."""
+    sources = [(p, m.group(2)) for p in PAGES for m in BLOCK.finditer(open(p, encoding="utf-8").read())]
+    for yml in sorted(glob.glob(os.path.join(ROOT, "trl_flow", "*", "*.yaml"))):
+        comments = [line[1:].strip() for line in open(yml, encoding="utf-8") if line.startswith("#")]
+        sources.append((yml, "\n".join(comments)))
+    for source, text in sources:
+        for line in text.replace("\\\n", " ").splitlines():
+            if not re.match(r"\s*(?:[A-Z_][A-Z0-9_]*=\S*\s+)*trl-flow\b", line):
+                continue
+            tokens = shlex.split(line, comments=True)
+            while tokens and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", tokens[0]):
+                tokens.pop(0)
+            if tokens and tokens[0] == "trl-flow":
+                yield source, tokens
+
+
+def config_table(cls) -> str:
+    """The markdown table of a config class: the fields it adds to FlowRLConfig or whose default it changes (all
+    fields for FlowRLConfig itself), with default and help."""
+    from trl_flow import FlowRLConfig
+
+    base = {f.name: f for f in dataclasses.fields(FlowRLConfig)}
+
+    def default(f):
+        if f.default is not dataclasses.MISSING:
+            return f.default
+        if f.default_factory is not dataclasses.MISSING:
+            return f.default_factory()
+        return None
+
+    rows = ["| field | default | meaning |", "|---|---|---|"]
+    for f in dataclasses.fields(cls):
+        if cls is not FlowRLConfig and f.name in base and default(base[f.name]) == default(f):
+            continue
+        value = default(f)
+        shown = value if isinstance(value, str) else repr(value)
+        text = f.metadata.get("help", "").replace("|", "\\|").replace("\n", " ")
+        rows.append(f"| `{f.name}` | `{shown}` | {text} |")
+    if len(rows) == 2:
+        return f"`{cls.__name__}` has no fields or defaults of its own: the shared fields apply as they are.\n"
+    return "\n".join(rows) + "\n"
+
+
+def _table_class(name):
+    import trl_flow
+    from trl_flow import cli
+
+    return getattr(cli, name, None) or getattr(trl_flow, name, None)
+
+
+def test_python_blocks_parse():
+    blocks = list(python_blocks())
+    assert len(blocks) >= 9  # the trainer pages, cli, migration, README
+    for page, code in blocks:
+        try:
+            ast.parse(code)
+        except SyntaxError as e:
+            pytest.fail(f"{_rel(page)}: python block does not parse: {e}\n{code}")
+
+
+def test_command_lines_are_accepted_by_the_parser(capsys):
+    from trl_flow import cli
+
+    lines = list(command_lines())
+    assert len(lines) >= 20
+    commands = set()
+    for source, tokens in lines:
+        command, args = (tokens[1] if len(tokens) > 1 else None), tokens[2:]
+        where = f"{_rel(source)}: {' '.join(tokens)}"
+        if command is None or command in ("-h", "--help"):
+            continue
+        assert command in (*cli.TRAINERS, cli.REWARD_SERVER), f"{where}: unknown command"
+        commands.add(command)
+        if command == cli.REWARD_SERVER:
+            continue  # its options belong to trl_flow.rewards.server
+        if not cli._available(command):
+            with pytest.raises(cli.CLIError, match="not available in this version"):
+                cli.parse_args(command, args)
+            continue
+        if "-h" in args or "--help" in args:
+            with pytest.raises(SystemExit) as exit_info:
+                cli.parse_args(command, args)
+            assert exit_info.value.code == 0, where
+            continue
+        try:
+            cli.parse_args(command, args)
+        except (cli.CLIError, SystemExit) as e:
+            pytest.fail(f"{where}: rejected by the parser: {e}")
+    capsys.readouterr()
+    assert {"grpo", "op-grpo", "stepwise", "dppo"} <= commands
+
+
+def test_config_tables_match_the_config_classes():
+    tables = [(page, m.group(2), m.group(3)) for page in PAGES
+              for m in TABLE.finditer(open(page, encoding="utf-8").read())]
+    names = {name for _, name, _ in tables}
+    assert {"FlowRLConfig", "FlowGRPOConfig", "OPGRPOConfig", "StepwiseFlowGRPOConfig", "FlowDPPOConfig",
+            "ScriptArguments"} <= names
+    for page, name, table in tables:
+        cls = _table_class(name)
+        if cls is None:  # a trainer of a later version: checked once it exists
+            continue
+        assert table == config_table(cls), f"{_rel(page)}: the {name} table is stale; run python tests/test_docs.py --update"
+
+
+def update_tables() -> None:
+    for page in PAGES:
+        text = open(page, encoding="utf-8").read()
+
+        def fill(m):
+            cls = _table_class(m.group(2))
+            return m.group(0) if cls is None else m.group(1) + config_table(cls) + m.group(4)
+
+        new = TABLE.sub(fill, text)
+        if new != text:
+            with open(page, "w", encoding="utf-8") as f:
+                f.write(new)
+            print("updated", _rel(page))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--update"]:
+        sys.path.insert(0, ROOT)
+        update_tables()
+    else:
+        print(__doc__)

@@ -1,0 +1,309 @@
+"""The ``trl-flow`` command line: one subcommand per trainer, and ``reward-server``.
+
+    trl-flow grpo --config sd35m_flow_grpo_pickscore              # a recipe shipped in trl_flow/recipes
+    trl-flow op-grpo --config my_recipe.yaml --learning_rate 1e-4  # the command line overrides the recipe
+    trl-flow grpo --accelerate_config multi_gpu --num_processes 8 --config sd35m_flow_grpo_geneval
+    trl-flow reward-server --help
+
+Arguments are parsed by ``trl.TrlParser`` from :class:`ScriptArguments` and the trainer's config dataclass, so
+every config field is a flag, ``--config <yaml>`` sets their values (keys are exactly field names), and options
+must be spelled out in full (``--num_gen`` is an error, not ``--num_generations``). ``--accelerate_config NAME``
+(a config shipped in ``trl_flow/accelerate_configs`` or a file) re-runs the command under ``accelerate launch
+--config_file <file>``, like TRL's CLI; the remaining ``accelerate launch`` options (``--num_processes``,
+``--machine_rank``, ``--main_process_ip``, ...) are passed on to it. Without it the run happens in this process,
+which is also what ``accelerate launch -m trl_flow.cli grpo ...`` does on every process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from dataclasses import dataclass, field
+
+DEFAULT_MODEL = "stabilityai/stable-diffusion-3.5-medium"
+
+# subcommand -> (config class, trainer class, help), looked up on `trl_flow` when the subcommand runs, so a
+# trainer of a later version gives a clear error here and one that exists just works.
+TRAINERS: dict[str, tuple[str, str, str]] = {
+    "grpo": ("FlowGRPOConfig", "FlowGRPOTrainer", "Flow-GRPO (arXiv 2505.05470)"),
+    "op-grpo": ("OPGRPOConfig", "OPGRPOTrainer", "OP-GRPO: Flow-GRPO with off-policy replay (arXiv 2604.04142)"),
+    "stepwise": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer",
+                 "Stepwise-Flow-GRPO: per-step credit from intermediate rewards (arXiv 2603.28718)"),
+    "dppo": ("FlowDPPOConfig", "FlowDPPOTrainer", "Flow-DPPO: KL trust region instead of ratio clipping (arXiv 2606.11025)"),
+}
+REWARD_SERVER = "reward-server"
+_CHILD_ENV = "TRL_FLOW_UNDER_ACCELERATE_LAUNCH"  # set for the processes that --accelerate_config starts
+
+
+class CLIError(ValueError):
+    """Bad command-line input; ``main`` prints it and exits with status 2."""
+
+
+@dataclass
+class ScriptArguments:
+    """What the command needs besides the trainer config: model, prompts, rewards, launch. Names follow TRL's
+    ``ScriptArguments`` / ``ModelConfig`` (``dataset_name``, ``dataset_train_split``, ``model_name_or_path``, ...)."""
+
+    model_name_or_path: str = field(default=DEFAULT_MODEL, metadata={"help": "Hub id or folder of a diffusers pipeline trl_flow supports (SD3/3.5, ...), or `shapes` for the committed tiny shapes base model."})
+    dtype: str = field(default="auto", metadata={"help": "dtype the pipeline is loaded in: auto (bfloat16 with --bf16, float16 with --fp16, else float32), float32, bfloat16 or float16."})
+    dataset_name: str | None = field(default=None, metadata={"help": "Training prompts: a .txt (one prompt per line), a .jsonl with a `prompt` key, a Hub dataset or a local dataset folder, or `shapes` (the shapes task)."})
+    dataset_config: str | None = field(default=None, metadata={"help": "Configuration name of a Hub dataset (the `name` argument of `datasets.load_dataset`)."})
+    dataset_train_split: str = field(default="train", metadata={"help": "Split of `dataset_name` to train on."})
+    dataset_test_split: str = field(default="test", metadata={"help": "Split used for evaluation: of `eval_dataset` if given, else of `dataset_name` (when `eval_steps` > 0)."})
+    eval_dataset: str | None = field(default=None, metadata={"help": "Evaluation prompts, in any format of `dataset_name`; its `dataset_test_split` split is loaded."})
+    reward_funcs: list[str] | None = field(default=None, metadata={"help": "Rewards: names exported by `trl_flow.rewards` (e.g. jpeg_incompressibility), shapes_partial / shapes_strict, `module:callable` (a class is instantiated without arguments), or the http(s) URL of a `trl-flow reward-server`."})
+    accelerate_config: str | None = field(default=None, metadata={"help": "Run under `accelerate launch` with this config: a name shipped in trl_flow/accelerate_configs (single_gpu, multi_gpu, multi_node, fsdp2, zero2, zero3) or a file. Other `accelerate launch` options are passed on."})
+    trainer: str | None = field(default=None, metadata={"help": "The subcommand a recipe is written for (grpo, op-grpo, stepwise, dppo); running a recipe with another subcommand is an error."})
+
+    def __post_init__(self):
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype={self.dtype!r}: must be auto, float32, bfloat16 or float16")
+        if self.trainer is not None and self.trainer not in TRAINERS:
+            raise ValueError(f"trainer={self.trainer!r}: must be one of {sorted(TRAINERS)}")
+
+
+# ----------------------------------------------------------------------------------------------- lookups
+def _package_dir(name: str) -> str:
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
+
+
+def shipped(kind: str) -> dict[str, str]:
+    """Name -> path of the YAML files shipped in ``trl_flow/<kind>`` (``recipes`` or ``accelerate_configs``)."""
+    folder = _package_dir(kind)
+    return {f[: -len(".yaml")]: os.path.join(folder, f) for f in sorted(os.listdir(folder)) if f.endswith(".yaml")}
+
+
+def _resolve_yaml(value: str, kind: str, flag: str) -> str:
+    if os.path.isfile(value):
+        return value
+    found = shipped(kind)
+    name = value[: -len(".yaml")] if value.endswith(".yaml") else value
+    if name in found:
+        return found[name]
+    raise CLIError(f"{flag} {value}: not a file and not a name shipped in trl_flow/{kind} ({', '.join(found)})")
+
+
+def trainer_classes(command: str):
+    """The (config class, trainer class) of a subcommand; a clear error if this version of trl_flow lacks it."""
+    import trl_flow
+
+    if command not in TRAINERS:
+        raise CLIError(f"unknown command {command!r}; commands: {', '.join([*TRAINERS, REWARD_SERVER])}")
+    config_name, trainer_name, _ = TRAINERS[command]
+    config_cls, trainer_cls = getattr(trl_flow, config_name, None), getattr(trl_flow, trainer_name, None)
+    if config_cls is None or trainer_cls is None:
+        raise CLIError(f"{trainer_name} is not available in this version of trl_flow "
+                       f"({trl_flow.__version__}); upgrade trl_flow or use one of: "
+                       f"{', '.join(c for c in TRAINERS if _available(c))}")
+    return config_cls, trainer_cls
+
+
+def _available(command: str) -> bool:
+    import trl_flow
+
+    return all(hasattr(trl_flow, n) for n in TRAINERS[command][:2])
+
+
+def make_parser(command: str):
+    """The ``TrlParser`` of a trainer subcommand (abbreviations rejected)."""
+    from trl import TrlParser
+
+    config_cls, _ = trainer_classes(command)
+    return TrlParser((ScriptArguments, config_cls), prog=f"trl-flow {command}", allow_abbrev=False)
+
+
+# ----------------------------------------------------------------------------------------------- parsing
+def parse_args(command: str, argv: list[str]):
+    """Parse a trainer subcommand's arguments: ``(script_args, config, launch_args)``.
+
+    ``--config`` takes a YAML file or the name of a shipped recipe; its keys must be fields. ``launch_args`` are
+    the leftover options, allowed only with ``--accelerate_config`` and only if ``accelerate launch`` knows them.
+    """
+    argv = list(argv)
+    if "--config" in argv:
+        i = argv.index("--config")
+        if i + 1 >= len(argv):
+            raise CLIError("--config: expected a YAML file or a recipe name after it")
+        argv[i + 1] = _resolve_yaml(argv[i + 1], "recipes", "--config")
+    parser = make_parser(command)
+    try:
+        script_args, config, config_rest, cli_rest = parser.parse_args_and_config(
+            argv, return_remaining_strings=True, separate_remaining_strings=True)
+    except ValueError as e:  # a field's own check in __post_init__ (names the field)
+        raise CLIError(str(e)) from e
+    if config_rest:
+        keys = [s[2:] for s in config_rest if s.startswith("--")]
+        raise CLIError(f"--config: unknown keys {keys}; recipe keys must be fields of {type(config).__name__} "
+                       "or script arguments (see trl-flow " + command + " --help)")
+    if script_args.trainer is not None and script_args.trainer != command:
+        raise CLIError(f"this recipe is for `trl-flow {script_args.trainer}` (trainer: {script_args.trainer}), "
+                       f"not `trl-flow {command}`")
+    if cli_rest and not (script_args.accelerate_config and not os.environ.get(_CHILD_ENV)):
+        raise CLIError(f"unrecognized arguments: {' '.join(cli_rest)} (options are spelled out in full; "
+                       f"`accelerate launch` options need --accelerate_config NAME)")
+    if cli_rest:
+        from accelerate.commands.launch import launch_command_parser
+
+        known = set(launch_command_parser()._option_string_actions)
+        bad = [s for s in cli_rest if s.startswith("-") and s.split("=")[0] not in known]
+        if bad:
+            raise CLIError(f"unrecognized arguments: {' '.join(bad)} (neither a field of {type(config).__name__}, "
+                           "a script argument nor an `accelerate launch` option)")
+    return script_args, config, cli_rest
+
+
+# ---------------------------------------------------------------------------------------------- building
+def resolve_reward(spec: str):
+    """A reward callable from its command-line spelling (see ``ScriptArguments.reward_funcs``)."""
+    import trl_flow.rewards as rewards
+
+    if spec.startswith(("http://", "https://")):
+        remote = getattr(rewards, "RemoteReward", None)
+        if remote is None:
+            raise CLIError(f"--reward_funcs {spec}: remote rewards (RemoteReward) are not available in this version "
+                           "of trl_flow")
+        return remote(spec)
+    if ":" in spec:
+        module_name, _, attr = spec.partition(":")
+        sys.path.insert(0, os.getcwd())  # like TRL's scripts: a module next to the recipe is importable
+        try:
+            obj = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as e:
+            raise CLIError(f"--reward_funcs {spec}: cannot import {attr!r} from {module_name!r} ({e})") from e
+    elif spec in ("shapes_partial", "shapes_strict"):
+        from trl_flow.tasks import shapes
+
+        obj = getattr(shapes, f"{spec}_reward")
+    else:
+        obj = getattr(rewards, spec, None) if not spec.startswith("_") else None
+        if obj is None or not callable(obj):
+            names = sorted(n for n in dir(rewards) if not n.startswith("_") and callable(getattr(rewards, n))
+                           and getattr(getattr(rewards, n), "__module__", "").startswith("trl_flow"))
+            raise CLIError(f"--reward_funcs {spec!r}: unknown reward; use one of {names}, shapes_partial, "
+                           "shapes_strict, `module:callable` or a reward-server URL")
+    if isinstance(obj, type):
+        obj = obj()
+    if not callable(obj):
+        raise CLIError(f"--reward_funcs {spec}: {obj!r} is not callable")
+    return obj
+
+
+def _load_datasets(script_args: ScriptArguments, config):
+    from .data import load_prompts
+
+    if not script_args.dataset_name:
+        raise CLIError("dataset_name: required; a .txt or .jsonl of prompts, a Hub dataset id, a dataset folder, "
+                       "or `shapes`")
+    train = load_prompts(script_args.dataset_name, script_args.dataset_train_split, script_args.dataset_config)
+    if script_args.eval_dataset:
+        evald = load_prompts(script_args.eval_dataset, script_args.dataset_test_split)
+    elif config.eval_steps:
+        if script_args.dataset_name.endswith((".txt", ".jsonl")):
+            raise CLIError(f"eval_steps={config.eval_steps}: {script_args.dataset_name} has no test split; pass "
+                           "--eval_dataset or set --eval_steps 0")
+        evald = load_prompts(script_args.dataset_name, script_args.dataset_test_split, script_args.dataset_config)
+    else:
+        evald = None
+    return train, evald
+
+
+def _load_pipeline(script_args: ScriptArguments, config):
+    if script_args.model_name_or_path == "shapes" and not os.path.exists("shapes"):
+        from .tasks import shapes
+
+        return shapes.load_base_pipeline()
+    from .models import load_pipeline
+
+    dtype = script_args.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if config.bf16 else "float16" if config.fp16 else "float32"
+    return load_pipeline(script_args.model_name_or_path, dtype)
+
+
+def _launch(command: str, argv: list[str], script_args: ScriptArguments, launch_args: list[str]) -> None:
+    """Re-run ``trl-flow <command> <argv>`` under ``accelerate launch --config_file <file> <launch_args>``."""
+    from accelerate.commands.launch import launch_command, launch_command_parser
+    from accelerate.utils import patch_environment
+
+    config_file = _resolve_yaml(script_args.accelerate_config, "accelerate_configs", "--accelerate_config")
+    child = list(argv)
+    if "--accelerate_config" in child:
+        i = child.index("--accelerate_config")
+        del child[i : i + 2]
+    # Launch options go to accelerate, not to the processes it starts: `launch_args` is an ordered subsequence of
+    # `argv` (argparse keeps the order of what it did not recognise); take it out in order.
+    pending = iter(launch_args)
+    current = next(pending, None)
+    kept = []
+    for token in child:
+        if current is not None and token == current:
+            current = next(pending, None)
+        else:
+            kept.append(token)
+    args = launch_command_parser().parse_args(
+        ["--config_file", config_file, *launch_args, "--module", "trl_flow.cli", command, *kept])
+    with patch_environment(**{_CHILD_ENV: "1"}):  # the started processes run the command, not another launch
+        launch_command(args)
+
+
+def run(command: str, argv: list[str]):
+    """Run a trainer subcommand: parse, check rewards and prompts, load the pipeline, train, save. Returns the
+    trainer (``None`` when the work ran in processes started by ``accelerate launch``)."""
+    script_args, config, launch_args = parse_args(command, argv)
+    if script_args.accelerate_config and not os.environ.get(_CHILD_ENV):
+        _launch(command, argv, script_args, launch_args)
+        return None
+    _, trainer_cls = trainer_classes(command)
+    if not script_args.reward_funcs:
+        raise CLIError("reward_funcs: required; e.g. --reward_funcs jpeg_incompressibility (see --help)")
+    reward_funcs = [resolve_reward(s) for s in script_args.reward_funcs]
+    train, evald = _load_datasets(script_args, config)
+    pipe = _load_pipeline(script_args, config)
+    trainer = trainer_cls(config, pipe, reward_funcs, train_dataset=train, eval_dataset=evald)
+    trainer.train()
+    if not config.push_to_hub:  # push_to_hub saves the model itself
+        trainer.save_model(config.output_dir)
+    return trainer
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trl-flow", allow_abbrev=False,
+                                     description="RL post-training of flow-matching diffusers pipelines.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, _, help_text) in TRAINERS.items():
+        suffix = "" if _available(name) else " [not available in this version]"
+        sub.add_parser(name, help=help_text + suffix, add_help=False)
+    sub.add_parser(REWARD_SERVER, help="serve a reward callable over HTTP for RemoteReward", add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point of ``trl-flow``. Returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in (*TRAINERS, REWARD_SERVER):
+        parser = _top_parser()
+        if argv and argv[0] not in ("-h", "--help"):
+            parser.error(f"unknown command {argv[0]!r}; choose from {', '.join([*TRAINERS, REWARD_SERVER])}")
+        parser.print_help()
+        return 0
+    command, rest = argv[0], argv[1:]
+    try:
+        if command == REWARD_SERVER:
+            try:
+                server = importlib.import_module("trl_flow.rewards.server")
+            except ModuleNotFoundError as e:
+                if e.name not in ("trl_flow.rewards.server", "trl_flow.rewards"):
+                    raise
+                raise CLIError("not available in this version of trl_flow") from None
+            return server.main(rest) or 0
+        run(command, rest)
+    except CLIError as e:
+        print(f"trl-flow {command}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,334 @@
+"""Pushing a trained model to the Hugging Face Hub: a complete model card and only the files a user needs.
+
+:func:`push_to_hub` saves the model (``save_model``: the LoRA, or the whole pipeline for full fine-tuning) into
+``output_dir``, samples a before/after grid, writes ``README.md`` (``huggingface_hub.ModelCard`` from
+``trl_flow/templates/model_card.md``, tags and library through diffusers' ``populate_model_card``) and uploads
+exactly those files with ``HfApi.upload_folder(allow_patterns=...)``: never checkpoints, tracker folders, logs or
+sample folders. The card holds the base model's Hub id (never a local path), the license, the method's paper
+citation, every config field, the rewards, the final metrics and the library versions.
+
+:func:`check_hub_access` fails fast, once, when the Hub cannot be used (``HF_HUB_OFFLINE``, no token, no network):
+the trainer calls it at construction when ``push_to_hub=True``, so a run does not train for hours and then fail.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import warnings
+from importlib import metadata
+
+LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+GRID_PATH = "images/before_after.png"
+BUFFER_DIR = "replay_buffer"
+TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "templates", "model_card.md")
+NUM_CARD_PROMPTS = 4
+CARD_SEED = 0
+# Fields left out of the card's configuration: local paths and switches that say nothing about the model.
+_PRIVATE_FIELDS = ("output_dir", "resume_from_checkpoint", "hub_private_repo", "disable_tqdm")
+_VERSIONS = ("trl_flow", "torch", "diffusers", "transformers", "peft", "accelerate", "trl", "datasets",
+             "huggingface_hub")
+
+# BibTeX per paper, keyed by arXiv id (a trainer's `paper` attribute names it; a `citation` attribute overrides).
+CITATIONS = {
+    "2505.05470": """@article{liu2025flowgrpo,
+  title   = {Flow-GRPO: Training Flow Matching Models via Online RL},
+  author  = {Liu, Jie and Liu, Gongye and Liang, Jiajun and Li, Yangguang and Liu, Jiaheng and Wang, Xintao and
+             Wan, Pengfei and Zhang, Di and Ouyang, Wanli},
+  journal = {arXiv preprint arXiv:2505.05470},
+  year    = {2025}
+}""",
+    "2604.04142": """@article{zhang2026opgrpo,
+  title   = {OP-GRPO: Efficient Off-Policy GRPO for Flow-Matching Models},
+  author  = {Zhang, Liyu and Li, Kehan and Han, Tingrui and Zhou, Tao and Sheng, Yuxuan and He, Shibo and Li, Chao},
+  journal = {arXiv preprint arXiv:2604.04142},
+  year    = {2026}
+}""",
+    "2603.28718": """@inproceedings{savani2026stepwise,
+  title     = {Stepwise Credit Assignment for GRPO on Flow-Matching Models},
+  author    = {Savani, Yash and Kveton, Branislav and Liu, Yuchen and Wang, Yilin and Shi, Jing and
+               Mukherjee, Subhojyoti and Vlassis, Nikos and Singh, Krishna Kumar},
+  booktitle = {Proceedings of the IEEE/CVF Conference on Computer Vision and Pattern Recognition (CVPR)},
+  year      = {2026},
+  note      = {arXiv:2603.28718}
+}""",
+    "2606.11025": """@article{ping2026flowdppo,
+  title   = {Flow-DPPO: Divergence Proximal Policy Optimization for Flow Matching Models},
+  author  = {Ping, Bowen and Zhou, Xiangxin and Qi, Penghui and Luo, Minnan and Bo, Liefeng and Pang, Tianyu},
+  journal = {arXiv preprint arXiv:2606.11025},
+  year    = {2026}
+}""",
+}
+FLOW_GRPO_ARXIV = "2505.05470"
+
+
+# ------------------------------------------------------------------------------------------------ access
+def check_hub_access(accelerator=None) -> None:
+    """Raise ``RuntimeError`` now if pushing cannot work: ``HF_HUB_OFFLINE`` is set, there is no token, or the Hub
+    does not answer / rejects the token. One ``whoami`` request, no retries. With several processes the main process
+    checks and every process raises (none is left waiting in a collective)."""
+    error = None
+    if accelerator is None or accelerator.is_main_process:
+        error = _hub_access_error()
+    if accelerator is not None and accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        box = [error]
+        broadcast_object_list(box, from_process=0)
+        error = box[0]
+    if error:
+        raise RuntimeError(error)
+
+
+def _hub_access_error() -> str | None:
+    from huggingface_hub import HfApi, constants, get_token
+
+    hint = "or set push_to_hub=False (save_model() writes the model locally)"
+    if constants.HF_HUB_OFFLINE:
+        return f"push_to_hub: HF_HUB_OFFLINE is set, so nothing can be uploaded; unset HF_HUB_OFFLINE {hint}"
+    if get_token() is None:
+        return f"push_to_hub: no Hugging Face token; run `hf auth login` or set HF_TOKEN, {hint}"
+    try:
+        HfApi().whoami()
+    except Exception as e:  # no network, DNS failure, proxy, rejected token: all end the same way
+        return (f"push_to_hub: the Hub at {constants.ENDPOINT} cannot be used ({type(e).__name__}: {e}); check the "
+                f"network and the token, {hint}")
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ card data
+def is_hub_id(name: str | None) -> bool:
+    """Whether ``name`` is a Hub model id (``org/name``) and not a path on this machine."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if not name or os.path.exists(name) or name.count("/") != 1 or name.startswith((".", "~")):
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def base_model_id(pipe, config) -> str | None:
+    """The base model's Hub id: ``config.hub_base_model``, else the pipeline's own name if it is a Hub id, else
+    ``None`` with a warning (a local folder or an in-memory pipeline)."""
+    if config.hub_base_model:
+        return config.hub_base_model
+    name = getattr(pipe, "name_or_path", None) or dict(getattr(pipe, "config", {}) or {}).get("_name_or_path")
+    if is_hub_id(name):
+        return name
+    where = "a local folder" if name else "components built in memory"
+    warnings.warn(f"model card: no base_model, the pipeline was loaded from {where}; set hub_base_model to the "
+                  "Hub id of the model it was trained from", stacklevel=3)
+    return None
+
+
+def license_info(config, base_model: str | None) -> dict:
+    """``license`` (and ``license_name`` / ``license_link`` for `other` licenses): ``config.hub_license``, else
+    the base model's, read from its Hub card. Empty, with a warning, when neither is known."""
+    from huggingface_hub import HfApi, constants
+
+    if config.hub_license:
+        return {"license": config.hub_license}
+    if base_model:
+        try:
+            data = HfApi().model_info(base_model).card_data
+        except Exception as e:
+            warnings.warn(f"model card: could not read the license of {base_model} ({type(e).__name__}: {e}); "
+                          "set hub_license", stacklevel=3)
+            return {}
+        out = {k: data.get(k) for k in ("license", "license_name", "license_link") if data is not None and data.get(k)}
+        link = out.get("license_link")
+        if link and not link.startswith(("http://", "https://")):  # relative to the base model's repository
+            out["license_link"] = f"{constants.ENDPOINT}/{base_model}/blob/main/{link}"
+        if out:
+            return out
+    warnings.warn("model card: no license; set hub_license (e.g. the base model's license)", stacklevel=3)
+    return {}
+
+
+def _arxiv_id(trainer) -> str | None:
+    m = re.search(r"(\d{4}\.\d{4,5})", getattr(trainer, "paper", "") or "")
+    return m.group(1) if m else None
+
+
+def citations(trainer) -> str:
+    """BibTeX of the trainer's paper, and of Flow-GRPO when the method builds on it."""
+    own = getattr(trainer, "citation", None) or CITATIONS.get(_arxiv_id(trainer) or "")
+    entries = [own] if own else []
+    if _arxiv_id(trainer) != FLOW_GRPO_ARXIV:
+        entries.append(CITATIONS[FLOW_GRPO_ARXIV])
+    return "\n\n".join(entries)
+
+
+def final_metrics(log_history: list[dict]) -> list[tuple[str, str]]:
+    """(name, value) of the last evaluation's metrics and of the last iteration's reward metrics."""
+    last_eval = next((h for h in reversed(log_history) if "eval/reward" in h), None)
+    last_train = next((h for h in reversed(log_history) if "reward" in h), None)
+    rows = []
+    if last_eval:
+        rows += [(k, v) for k, v in last_eval.items() if k.startswith("eval/")]
+    if last_train:
+        keep = ("reward", "reward_std", "kl", "clip_frac")
+        rows += [(k, v) for k, v in last_train.items() if k in keep or k.startswith("rewards/")]
+    step = (last_eval or last_train or {}).get("step")
+    return [(f"{k} (step {int(step)})" if step is not None else k, f"{v:.4g}") for k, v in rows]
+
+
+def library_versions() -> list[tuple[str, str]]:
+    out = []
+    for name in _VERSIONS:
+        try:
+            out.append((name, metadata.version(name)))
+        except metadata.PackageNotFoundError:
+            if name == "trl_flow":
+                import trl_flow
+
+                out.append((name, trl_flow.__version__))
+    return out
+
+
+def card_prompts(trainer, n: int = NUM_CARD_PROMPTS) -> list[str]:
+    """The prompts of the card's sample grid: the first evaluation prompts, else the first training prompts."""
+    ds = trainer.eval_dataset if trainer.eval_dataset is not None else trainer.train_dataset
+    return list(ds["prompt"][: min(n, len(ds))])
+
+
+def before_after(trainer, prompts: list[str], seed: int = CARD_SEED):
+    """ODE samples of ``prompts`` from the base model (top row; LoRA disabled, or the frozen reference copy) and
+    from the trained one (bottom row; EMA weights if EMA is on), same noise. Returns (grid or None, has_before).
+    Runs on every process (sharded models need all of them); cheap: ``2 x len(prompts)`` images."""
+    from .trainers.tracking import grid
+
+    cfg = trainer.config
+    with trainer.ema_weights():
+        after, _ = trainer.generate(prompts, seed=seed)
+    before = None
+    if cfg.finetune == "lora" or trainer.ref_model is not None:
+        with trainer.reference_policy() as ref:
+            current = trainer.model
+            if cfg.finetune != "lora":  # the frozen copy is a separate module
+                trainer.model = ref
+            try:
+                before, _ = trainer.generate(prompts, seed=seed)
+            finally:
+                trainer.model = current
+    import torch
+
+    images = after if before is None else torch.cat([before, after])
+    return grid(images, cols=len(prompts)), before is not None
+
+
+def build_model_card(trainer, repo_id: str, base_model: str | None, license: dict, prompts: list[str],
+                     has_before: bool):
+    """The ``huggingface_hub.ModelCard`` of a trained model (see the module docstring for what it holds)."""
+    import yaml
+    from diffusers.utils.hub_utils import populate_model_card
+    from huggingface_hub import ModelCard, ModelCardData
+
+    cfg = trainer.config
+    method = (getattr(trainer, "paper", "") or trainer._method_name).split(",")[0].strip()
+    method_tag = trainer._method_name.replace("_", "-")
+    pipeline_tag = getattr(trainer.adapter, "pipeline_tag", None) or "text-to-image"
+    lora = cfg.finetune == "lora"
+    widget = [{"text": prompts[0], "output": {"url": GRID_PATH}}]
+    data = ModelCardData(base_model=base_model, pipeline_tag=pipeline_tag, widget=widget,
+                         base_model_relation=("adapter" if lora else "finetune") if base_model else None, **license)
+    fields = {k: v for k, v in cfg.to_dict().items() if k not in _PRIVATE_FIELDS}
+    rewards = ", ".join(f"`{n}` (weight {w:g})" for n, w in zip(trainer.reward_names, trainer.reward_weights))
+    if lora:
+        load = f'pipe.load_lora_weights("{repo_id}")'
+        usage = ("import torch\nfrom diffusers import DiffusionPipeline\n\n"
+                 + (f'pipe = DiffusionPipeline.from_pretrained("{base_model}", torch_dtype=torch.bfloat16)\n'
+                    if base_model else "# pipe: the diffusers pipeline this LoRA was trained from\n")
+                 + f'{load}\nimage = pipe({prompts[0]!r}).images[0]')
+    else:
+        usage = ("import torch\nfrom diffusers import DiffusionPipeline\n\n"
+                 f'pipe = DiffusionPipeline.from_pretrained("{repo_id}", torch_dtype=torch.bfloat16)\n'
+                 f'image = pipe({prompts[0]!r}).images[0]')
+    base_text = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "its base pipeline"
+    kind = "A LoRA for" if lora else "A fine-tune of"
+    grid_caption = (("Top row: the base model; bottom row: after training. " if has_before
+                     else "After training (the base model's samples are not available for full fine-tuning "
+                          "without a reference copy, `beta` = 0). ")
+                    + f"Deterministic (ODE) samples, {cfg.eval_num_inference_steps} steps, same noise, prompts: "
+                    + "; ".join(f"*{p}*" for p in prompts) + ".")
+    card = ModelCard.from_template(
+        data,
+        template_path=TEMPLATE,
+        model_name=repo_id.split("/")[-1],
+        summary=(f"{kind} {base_text}, trained with reinforcement learning by trl_flow's "
+                 f"`{type(trainer).__name__}` ({method})."),
+        grid_caption=grid_caption,
+        usage=usage,
+        method=method,
+        arxiv=_arxiv_id(trainer) or "",
+        trainer_class=type(trainer).__name__,
+        rewards=rewards,
+        iterations=trainer.state.global_step,
+        images_per_iteration=cfg.train_batch_size,
+        prompts_per_step=cfg.prompts_per_step,
+        num_generations=cfg.num_generations,
+        num_prompts=len(trainer.train_dataset),
+        finetune=(f"LoRA r={cfg.lora_r}, alpha={cfg.lora_alpha}" if lora else "all transformer weights"),
+        metrics=final_metrics(trainer.state.log_history),
+        config_class=type(cfg).__name__,
+        config_yaml=yaml.safe_dump(fields, sort_keys=False),
+        versions=library_versions(),
+        citations=citations(trainer),
+    )
+    tags = ["trl", "trl-flow", method_tag, "diffusers"] + (["lora"] if lora else []) + [pipeline_tag]
+    return populate_model_card(card, tags=tags)
+
+
+# ------------------------------------------------------------------------------------------------- upload
+def upload_patterns(trainer, include_replay_buffer: bool) -> list[str]:
+    """The files of ``output_dir`` that are uploaded: the model ``save_model`` wrote, the card, the grid, and the
+    replay buffer if asked for."""
+    if trainer.config.finetune == "lora":
+        patterns = [LORA_WEIGHT_NAME]
+    else:  # save_pretrained: model_index.json and one folder per component
+        patterns = ["model_index.json"] + [f"{name}/*" for name, c in trainer.pipe.components.items() if c is not None]
+    patterns += ["README.md", GRID_PATH]
+    if include_replay_buffer:
+        patterns.append(f"{BUFFER_DIR}/*")
+    return patterns
+
+
+def push_to_hub(trainer, commit_message: str = "End of training", private: bool | None = None,
+                include_replay_buffer: bool | None = None) -> str:
+    """Save, card and upload ``trainer``'s model to ``config.hub_model_id`` (default: the output folder's name).
+
+    Call it on every process (the model is saved and sampled collectively); the main process uploads. Returns the
+    repository id."""
+    from huggingface_hub import HfApi
+
+    cfg, acc = trainer.config, trainer.accelerator
+    include = cfg.hub_include_replay_buffer if include_replay_buffer is None else include_replay_buffer
+    if include and getattr(trainer, "replay_buffer", None) is None:
+        raise ValueError(f"hub_include_replay_buffer: {type(trainer).__name__} keeps no replay buffer (OP-GRPO does)")
+    check_hub_access(acc)
+    trainer.save_model(cfg.output_dir)
+    prompts = card_prompts(trainer)
+    image, has_before = before_after(trainer, prompts)
+    repo_id = cfg.hub_model_id or os.path.basename(os.path.abspath(cfg.output_dir))
+    if acc.is_main_process:
+        api = HfApi()
+        base = base_model_id(trainer.pipe, cfg)
+        license = license_info(cfg, base)
+        repo_id = api.create_repo(repo_id, exist_ok=True,
+                                  private=private if private is not None else cfg.hub_private_repo).repo_id
+        os.makedirs(os.path.join(cfg.output_dir, os.path.dirname(GRID_PATH)), exist_ok=True)
+        image.save(os.path.join(cfg.output_dir, GRID_PATH))
+        if include:
+            buffer_dir = os.path.join(cfg.output_dir, BUFFER_DIR)
+            shutil.rmtree(buffer_dir, ignore_errors=True)
+            trainer.replay_buffer.save_to_disk(buffer_dir)
+        card = build_model_card(trainer, repo_id, base, license, prompts, has_before)
+        card.save(os.path.join(cfg.output_dir, "README.md"))
+        api.upload_folder(repo_id=repo_id, folder_path=cfg.output_dir, commit_message=commit_message,
+                          allow_patterns=upload_patterns(trainer, include))
+    acc.wait_for_everyone()
+    return repo_id

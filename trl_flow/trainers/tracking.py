@@ -1,0 +1,110 @@
+"""Samples in the experiment trackers: images with prompt and reward captions, and reward histograms.
+
+Everything goes through the accelerate trackers the trainer was built with (``report_to``): on tensorboard
+``tracker.log_images`` (the images) plus a text entry with the captions and ``add_histogram``; on wandb
+``wandb.Image(..., caption=...)`` and ``wandb.Histogram``. Other trackers get the scalar metrics only.
+
+Tags: ``images/<split>`` (+ ``images/<split>/captions`` on tensorboard), ``hist/<split>/reward`` and
+``hist/<split>/rewards/<reward name>``, where split is ``train`` (the rollout) or ``eval``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+MAX_LOGGED_IMAGES = 16
+
+
+def captions(prompts: list[str], rewards: torch.Tensor, per_func: dict[str, torch.Tensor]) -> list[str]:
+    """``"<prompt> | reward 0.512 (pickscore 0.212, ocr 0.300)"`` per sample; ``nan`` marks a missing score."""
+    out = []
+    for i, prompt in enumerate(prompts):
+        parts = ", ".join(f"{name} {float(r[i]):.4g}" for name, r in per_func.items())
+        text = f"{prompt} | reward {float(rewards[i]):.4g}"
+        out.append(f"{text} ({parts})" if len(per_func) > 1 else text)
+    return out
+
+
+def log_images(accelerator, split: str, images: torch.Tensor, prompts: list[str], rewards: torch.Tensor,
+               per_func: dict[str, torch.Tensor], step: int, max_images: int = MAX_LOGGED_IMAGES) -> None:
+    """Log up to ``max_images`` images (B, 3, H, W) in [0, 1] with their captions. Main process only."""
+    if not accelerator.is_main_process or images is None or not len(images):
+        return
+    n = min(max_images, len(images))
+    images = images[:n].detach().float().clamp(0, 1).cpu()
+    texts = captions(prompts[:n], rewards[:n], {k: v[:n] for k, v in per_func.items()})
+    for tracker in accelerator.trackers:
+        if tracker.name == "tensorboard":
+            tracker.log_images({f"images/{split}": images}, step=step, dataformats="NCHW")
+            tracker.log({f"images/{split}/captions": "\n\n".join(f"{i}. {t}" for i, t in enumerate(texts))}, step=step)
+        elif tracker.name == "wandb":
+            import wandb
+
+            pil = _to_pil(images)
+            tracker.log({f"images/{split}": [wandb.Image(p, caption=t) for p, t in zip(pil, texts)]}, step=step)
+
+
+def log_histograms(accelerator, split: str, rewards: torch.Tensor, per_func: dict[str, torch.Tensor],
+                   step: int) -> None:
+    """Histograms of the (gathered) rewards, combined and per reward function; NaNs (no score) are left out."""
+    if not accelerator.is_main_process:
+        return
+    values = {f"hist/{split}/reward": rewards, **{f"hist/{split}/rewards/{k}": v for k, v in per_func.items()}}
+    values = {k: v.detach().float().cpu() for k, v in values.items()}
+    values = {k: v[~torch.isnan(v)] for k, v in values.items()}
+    values = {k: v for k, v in values.items() if v.numel()}
+    if not values:
+        return
+    for tracker in accelerator.trackers:
+        if tracker.name == "tensorboard":
+            writer = accelerator.get_tracker("tensorboard", unwrap=True)
+            for k, v in values.items():
+                writer.add_histogram(k, v, global_step=step)
+            writer.flush()
+        elif tracker.name == "wandb":
+            import wandb
+
+            tracker.log({k: wandb.Histogram(v.numpy()) for k, v in values.items()}, step=step)
+
+
+def log_rollout(trainer, rollout, step: int) -> None:
+    """Called by the trainer after every iteration (on every process: the rewards are gathered). Histograms on
+    logging steps, images every ``log_images_steps``."""
+    cfg = trainer.config
+    if not cfg.report_to:
+        return
+    if step % cfg.logging_steps == 0 or step == cfg.max_steps:
+        per_func = {k: trainer.gather(v) for k, v in rollout.rewards_per_func.items()}
+        log_histograms(trainer.accelerator, "train", trainer.gather(rollout.rewards), per_func, step)
+    if cfg.log_images_steps and step % cfg.log_images_steps == 0:
+        log_images(trainer.accelerator, "train", rollout.images, rollout.prompts, rollout.rewards,
+                   rollout.rewards_per_func, step)
+
+
+def log_eval(trainer, images, prompts, rewards, per_func, all_rewards, all_per_func, step: int) -> None:
+    """Called by ``evaluate``: this process's images and scores, and the gathered ones for the histograms."""
+    if not trainer.config.report_to or not trainer.accelerator.trackers:
+        return
+    log_histograms(trainer.accelerator, "eval", all_rewards, all_per_func, step)
+    log_images(trainer.accelerator, "eval", images, prompts, rewards, per_func, step)
+
+
+def _to_pil(images: torch.Tensor):
+    from diffusers.image_processor import VaeImageProcessor
+
+    # images are already in [0, 1] (the trainer's decode denormalises), so no `postprocess` denormalisation
+    return VaeImageProcessor.numpy_to_pil(VaeImageProcessor.pt_to_numpy(images))
+
+
+def grid(images: torch.Tensor, cols: int = 8):
+    """A PIL grid of images (B, 3, H, W) in [0, 1], ``cols`` wide, the last row padded with black."""
+    from diffusers.utils import make_image_grid
+    from PIL import Image
+
+    pil = _to_pil(images.detach().float().clamp(0, 1).cpu())
+    cols = min(cols, len(pil))
+    rows = math.ceil(len(pil) / cols)
+    pil += [Image.new("RGB", pil[0].size)] * (rows * cols - len(pil))
+    return make_image_grid(pil, rows=rows, cols=cols)
