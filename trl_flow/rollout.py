@@ -2,7 +2,11 @@
 
 For each sample the rollout stores every state ``x_0 .. x_K``, the per-step behaviour log-probs and kernel means
 (frozen as ``logp_old`` / ``mu_old``), and which steps are trainable. ``N`` is the number of samples on this
-process, ``K`` the number of sampling steps, ``L`` the latent shape (e.g. C, h, w).
+process, ``K`` the number of sampling steps, ``L`` the latent shape (e.g. C, h, w; video: C, F', h, w).
+
+Memory: states and means take ``N (K + 1) prod(L) 4 + N K prod(L) 4`` bytes (float32), plus ``5 N K`` for the
+log-probs and train mask and ``N prod(O) 4`` for the decoded samples of shape O; the exact count is
+:meth:`trl_flow.models.FlowAdapter.rollout_bytes` (prompt embeddings come on top).
 """
 
 from __future__ import annotations
