@@ -9,7 +9,7 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["trl_flow", "trl_flow.*"]),
     include_package_data=True,
-    package_data={"trl_flow.tasks.shapes": ["base_model/**/*", "base_model/*"]},
+    package_data={"trl_flow.tasks.shapes": ["base_model/**/*", "base_model/*"], "trl_flow": ["recipes/*.yaml"]},
     python_requires=">=3.10",
     # torch is deliberately NOT pinned here beyond a floor: install it first (see README), since a bare
     # `torch` requirement resolved by pip pulls a multi-GB CUDA build.
