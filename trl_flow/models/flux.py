@@ -54,6 +54,7 @@ class FluxAdapter(FlowAdapter):
                              "negative_prompt='' for an empty one")
         self.true_cfg_scale = float(true_cfg_scale)
         self.negative_prompt = negative_prompt
+        self._ids_cache = {}
 
     @property
     def pipeline_class(self):
@@ -115,8 +116,7 @@ class FluxAdapter(FlowAdapter):
         dtype = self.transformer.dtype
         b, c, h, w = x.shape
         latents = pipe._pack_latents(x.to(dtype), b, c, h, w)
-        img_ids = pipe._prepare_latent_image_ids(b, h // 2, w // 2, x.device, dtype)
-        txt_ids = torch.zeros(embeds["prompt_embeds"].shape[1], 3, device=x.device, dtype=dtype)
+        img_ids, txt_ids = self._ids(h, w, embeds["prompt_embeds"].shape[1], x.device, dtype)
         t = torch.as_tensor(timestep, device=x.device)
         t = (t.expand(b) if t.ndim == 0 else t).to(dtype)
         guidance = None
@@ -133,6 +133,14 @@ class FluxAdapter(FlowAdapter):
             v = v_neg + self.true_cfg_scale * (v - v_neg)
         s = pipe.vae_scale_factor
         return pipe._unpack_latents(v, h * s, w * s, s).float()
+
+    def _ids(self, h, w, text_len, device, dtype):
+        """The pipeline's latent image ids ((h / 2)(w / 2), 3) and text ids (text_len, 3), built once per shape."""
+        key = (h, w, text_len, device, dtype)
+        if key not in self._ids_cache:
+            img_ids = self.pipe._prepare_latent_image_ids(1, h // 2, w // 2, device, dtype)
+            self._ids_cache[key] = (img_ids, torch.zeros(text_len, 3, device=device, dtype=dtype))
+        return self._ids_cache[key]
 
     def decode(self, latents) -> torch.Tensor:
         vae = self.pipe.vae
