@@ -7,7 +7,8 @@
 (b) update: ``FlowGRPOTrainer.optimize`` on one rollout (beta = 0 and beta > 0) vs the pure transformer
     forward + backward of the same calls: the same microbatches, the same trained steps, the same transformer
     inputs (recorded from the adapter: CFG-doubled batches for SD3, packed latents and ids for FLUX, two CFG passes
-    for Wan), with ``loss = v.float().pow(2).mean(); loss.backward()``. For beta > 0 a second baseline adds the
+    for Wan), with ``loss = v.float().pow(2).mean(); loss.backward()``. The update runs with
+    ``guidance_grad="both"`` so that it back-propagates through every call the baseline does. For beta > 0 a second baseline adds the
     no-grad reference forward that the exact KL needs (the cost a KL term cannot avoid).
 
 Measurements are interleaved (A, B, A, B, ...) after warm-up, and medians are reported. Results go to
@@ -99,7 +100,7 @@ def bench_variant(family, num_layers, sample_size, batch, steps, guidance, repea
             prompts_per_step=prompts_per_step, per_device_train_batch_size=per_device, height=sample_size,
             width=sample_size, num_frames=num_frames, max_sequence_length=16, num_inference_steps=steps,
             guidance_scale=guidance, beta=beta, lora_r=8, lora_alpha=16, learning_rate=1e-4, clip_range=1e-2,
-            disable_tqdm=True)
+            guidance_grad="both", disable_tqdm=True)  # back-propagate every transformer call, as the baseline does
         return pipe, FlowGRPOTrainer(cfg, pipe, [brightness], train_dataset=dataset)
 
     # ---------------------------------------------------------------------------------------- (a) rollout

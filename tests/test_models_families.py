@@ -137,6 +137,32 @@ def test_wan_swaps_unipc_for_flow_matching_with_one_warning(monkeypatch):
         assert kept.scheduler is sched  # a flow-matching scheduler is left alone
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_detach_uncond_keeps_value_and_drops_uncond_gradient(family):
+    """guidance_grad='cond_only': the guided velocity is the same; the gradient flows through the conditional pass
+    only (FLUX with true CFG, Wan with CFG: two transformer passes)."""
+    from trl_flow.models import FluxAdapter, WanAdapter
+
+    pipe = make_pipe(family)
+    adapter = (FluxAdapter(pipe, true_cfg_scale=3.0, negative_prompt="") if family == "flux"
+               else WanAdapter(pipe, num_frames=5))
+    with torch.no_grad():
+        embeds = adapter.encode_prompts(PROMPTS[:2], True, MAX_SEQ)
+    t = adapter.schedule(4, HEIGHT, WIDTH).timesteps[1]
+    x0 = adapter.initial_noise(2, HEIGHT, WIDTH, torch.Generator().manual_seed(0))
+
+    def value_and_grad(detach):
+        x = x0.clone().requires_grad_(True)
+        v = adapter.velocity(pipe.transformer, x, t, embeds, 3.0, detach_uncond=detach)
+        (v * torch.linspace(-1, 1, v.numel()).view_as(v)).sum().backward()
+        return v.detach(), x.grad
+
+    v_full, g_full = value_and_grad(False)
+    v_cond, g_cond = value_and_grad(True)
+    assert torch.equal(v_full, v_cond)
+    assert not torch.allclose(g_full, g_cond)
+
+
 # ---------------------------------------------------------------------------------------- every trainer
 def video_or_image_brightness(images, prompts, **columns):
     return images.mean(dim=tuple(range(1, images.ndim)))
@@ -147,7 +173,7 @@ def family_config(config_class, tmp_path, family, **overrides):
         output_dir=str(tmp_path / "out"), max_steps=2, num_generations=2, prompts_per_step=4,
         per_device_train_batch_size=4, height=HEIGHT, width=WIDTH, max_sequence_length=MAX_SEQ,
         num_inference_steps=3, eval_num_inference_steps=3, per_device_eval_batch_size=4,
-        guidance_scale=3.5 if family == "flux" else 1.0, lora_r=4, lora_alpha=8, learning_rate=1e-2,
+        guidance_scale=3.5 if family == "flux" else 4.5, lora_r=4, lora_alpha=8, learning_rate=1e-2,
         clip_range=5e-2, beta=0.01, disable_tqdm=True, num_frames=5,
     )
     kwargs.update(overrides)
@@ -175,6 +201,7 @@ def test_every_trainer_trains_on_family(tmp_path, family, trainer_class):
     assert len(state.log_history) == 2
     for entry in state.log_history:
         assert entry["ratio_first_max_dev"] == 0.0
+        assert entry.get("kl_old_first_max", 0.0) == 0.0  # old-vs-new kernel KL before the first update
         assert torch.isfinite(torch.tensor(entry["loss"])) and entry["nonfinite_skipped"] == 0
     assert any(not torch.equal(b, p) for b, p in zip(before, trainer.trainable_params))
     samples = tmp_path / "out" / "samples"

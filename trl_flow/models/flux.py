@@ -111,7 +111,7 @@ class FluxAdapter(FlowAdapter):
         timesteps, _ = retrieve_timesteps(scheduler, num_inference_steps, self.device, sigmas=sigmas, mu=mu)
         return Schedule(sigmas=scheduler.sigmas.to(self.device, torch.float32).clone(), timesteps=timesteps.clone())
 
-    def velocity(self, model, x, timestep, embeds, guidance_scale) -> torch.Tensor:
+    def velocity(self, model, x, timestep, embeds, guidance_scale, detach_uncond=False) -> torch.Tensor:
         pipe = self.pipe
         dtype = self.transformer.dtype
         b, c, h, w = x.shape
@@ -130,6 +130,8 @@ class FluxAdapter(FlowAdapter):
         v = call(embeds["prompt_embeds"], embeds["pooled_prompt_embeds"])
         if self.true_cfg and "negative_prompt_embeds" in embeds:
             v_neg = call(embeds["negative_prompt_embeds"], embeds["negative_pooled_prompt_embeds"])
+            if detach_uncond:
+                v_neg = v_neg.detach()
             v = v_neg + self.true_cfg_scale * (v - v_neg)
         s = pipe.vae_scale_factor
         return pipe._unpack_latents(v, h * s, w * s, s).float()

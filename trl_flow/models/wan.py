@@ -117,7 +117,7 @@ class WanAdapter(FlowAdapter):
         return Schedule(sigmas=scheduler.sigmas.to(self.device, torch.float32).clone(),
                         timesteps=scheduler.timesteps.clone())
 
-    def velocity(self, model, x, timestep, embeds, guidance_scale) -> torch.Tensor:
+    def velocity(self, model, x, timestep, embeds, guidance_scale, detach_uncond=False) -> torch.Tensor:
         dtype = self.transformer.dtype
         latents = x.to(dtype)
         t = torch.as_tensor(timestep, device=x.device)
@@ -127,6 +127,8 @@ class WanAdapter(FlowAdapter):
         if guidance_scale > 1 and "negative_prompt_embeds" in embeds:
             v_uncond = model(hidden_states=latents, timestep=t,
                              encoder_hidden_states=embeds["negative_prompt_embeds"].to(dtype), return_dict=False)[0]
+            if detach_uncond:
+                v_uncond = v_uncond.detach()
             v = v_uncond + guidance_scale * (v - v_uncond)
         return v.float()
 
