@@ -38,8 +38,11 @@ def test_per_frame_passes_prompts_columns_stride_and_chunks():
         return [float(i) for i in range(len(images))]  # score = position in the call
 
     v = videos(b=2, f=5)
+    reward.prepare = lambda device, dtype: calls.append(("prepare", device, dtype))
     wrapped = per_frame(reward, frame_stride=2, batch_size=4)
     assert wrapped.__name__ == "reward"  # logged under the image reward's name
+    wrapped.prepare("cpu", torch.float32)  # the trainer's device/dtype hand-off reaches the image reward
+    assert calls.pop() == ("prepare", "cpu", torch.float32)
     out = wrapped(v, ["a", "b"], tag=["x", "y"])
     # frames 0, 2, 4 of each video -> 6 frames, called in chunks of 4 and 2
     assert [c[0] for c in calls] == [4, 2]

@@ -27,7 +27,9 @@ def per_frame(reward: Callable, reduce: str = "mean", frame_stride: int = 1, bat
         batch_size: call ``reward`` on at most this many frames at a time (default: all frames of the batch).
 
     Returns a reward ``(videos (B, F, 3, H, W), prompts, **columns) -> list of B floats or None`` with the image
-    reward's name; each frame gets its video's prompt and columns. A 4-D (image) batch is passed through unchanged.
+    reward's name (and its ``prepare``, so a reward model still moves to the trainer's device and dtype); each frame
+    gets its video's prompt and columns. A 4-D (image) batch is passed through unchanged. (trl_flow's reward models
+    already score a video as the mean over its frames; ``per_frame`` serves any callable and other reductions.)
     """
     if reduce not in REDUCTIONS:
         raise ValueError(f"per_frame: reduce must be one of {REDUCTIONS}, got {reduce!r}")
@@ -72,6 +74,8 @@ def per_frame(reward: Callable, reduce: str = "mean", frame_stride: int = 1, bat
     video_reward.__name__ = name
     video_reward.__qualname__ = name
     video_reward.__doc__ = f"{name} on every {frame_stride}-th frame, {reduce} over frames (trl_flow.video.per_frame)."
+    if callable(getattr(reward, "prepare", None)):
+        video_reward.prepare = reward.prepare
     return video_reward
 
 
