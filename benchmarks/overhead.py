@@ -1,19 +1,21 @@
-"""Overhead of trl_flow over the bare diffusers / transformer compute.
+"""Overhead of trl_flow over the bare diffusers / transformer compute, on the tiny SD3, FLUX.1 and Wan2.1 pipelines.
 
 (a) rollout: an SDE rollout that stores states, means and log-probs vs ``pipe(...)`` with the same prompts, steps,
     batch and guidance (``output_type="latent"``). Two comparisons:
       - ``sample``: ``FlowGRPOTrainer.sample`` (prompt encoding + schedule + sampling) vs ``pipe(prompt=...)``;
       - ``loop``: ``rollout.sample_trajectories`` alone vs ``pipe(prompt_embeds=...)`` (both with pre-encoded prompts).
 (b) update: ``FlowGRPOTrainer.optimize`` on one rollout (beta = 0 and beta > 0) vs the pure transformer
-    forward + backward of the same calls: the same microbatches, the same trained steps, the same (CFG-doubled)
-    inputs, with ``loss = v.float().pow(2).mean(); loss.backward()``. For beta > 0 a second baseline adds the
+    forward + backward of the same calls: the same microbatches, the same trained steps, the same transformer
+    inputs (recorded from the adapter: CFG-doubled batches for SD3, packed latents and ids for FLUX, two CFG passes
+    for Wan), with ``loss = v.float().pow(2).mean(); loss.backward()``. The update runs with
+    ``guidance_grad="both"`` so that it back-propagates through every call the baseline does. For beta > 0 a second baseline adds the
     no-grad reference forward that the exact KL needs (the cost a KL term cannot avoid).
 
 Measurements are interleaved (A, B, A, B, ...) after warm-up, and medians are reported. Results go to
-``benchmarks/results/overhead.json``.
+``benchmarks/results/overhead.json`` (replacing the entries of the variants run, keeping the others).
 
-    python benchmarks/overhead.py                                  # tiny pipeline (2 layers, 32 px)
-    python benchmarks/overhead.py --variant 2:32 --variant 8:64    # plus a larger one (layers:sample_size)
+    python benchmarks/overhead.py                                   # tiny SD3, FLUX and Wan (9 frames), 32 px
+    python benchmarks/overhead.py --variant sd3:6:64 --variant flux:4:64   # family:num_layers:sample_size
 """
 
 from __future__ import annotations
@@ -44,29 +46,61 @@ def _median_times(fns: dict, repeats: int, warmup: int) -> dict[str, float]:
     return medians
 
 
-def bench_variant(num_layers, sample_size, batch, steps, guidance, repeats, warmup, out_dir):
+FAMILIES = {"sd3": 4.5, "flux": 3.5, "wan": 4.5}  # family -> default guidance (FLUX: distilled, one pass)
+
+
+def tiny_pipeline(family: str, num_layers: int, sample_size: int):
+    from trl_flow.testing import tiny_flux_pipeline, tiny_sd3_pipeline, tiny_wan_pipeline
+
+    if family == "sd3":
+        return tiny_sd3_pipeline(num_layers=num_layers, sample_size=sample_size)
+    if family == "flux":
+        return tiny_flux_pipeline(num_layers=num_layers, num_single_layers=num_layers, sample_size=sample_size)
+    return tiny_wan_pipeline(num_layers=num_layers)
+
+
+def record_transformer_calls(model, fn):
+    """Run ``fn()`` and return a copy of the keyword arguments of every ``model`` forward it made."""
+    calls = []
+
+    def hook(module, args, kwargs):
+        calls.append({k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            fn()
+    finally:
+        handle.remove()
+    return calls
+
+
+def bench_variant(family, num_layers, sample_size, batch, steps, guidance, repeats, warmup, out_dir, num_frames=9):
     from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
     from trl_flow.rollout import sample_trajectories
-    from trl_flow.testing import tiny_sd3_pipeline
 
     def brightness(images, prompts, **kwargs):
-        return images.mean(dim=(1, 2, 3))
+        return images.mean(dim=tuple(range(1, images.ndim)))
 
+    guidance = FAMILIES[family] if guidance is None else guidance
     prompts_per_step = 2
     assert batch % prompts_per_step == 0
     G = batch // prompts_per_step
     mb = max(1, batch // 2)  # two microbatches per update
     dataset = ["a cat", "a red dog", "a blue car", "green sky"]
-    res = {"num_layers": num_layers, "sample_size": sample_size, "batch": batch, "steps": steps,
+    res = {"family": family, "num_layers": num_layers, "sample_size": sample_size, "batch": batch, "steps": steps,
            "guidance_scale": guidance, "microbatch": mb}
+    if family == "wan":
+        res["num_frames"] = num_frames
 
     def make(beta, per_device):
-        pipe = tiny_sd3_pipeline(num_layers=num_layers, sample_size=sample_size)
+        pipe = tiny_pipeline(family, num_layers, sample_size)
         cfg = FlowGRPOConfig(
             output_dir=os.path.join(out_dir, f"beta{beta}"), max_steps=1, num_generations=G,
             prompts_per_step=prompts_per_step, per_device_train_batch_size=per_device, height=sample_size,
-            width=sample_size, max_sequence_length=16, num_inference_steps=steps, guidance_scale=guidance,
-            beta=beta, lora_r=8, lora_alpha=16, learning_rate=1e-4, clip_range=1e-2, disable_tqdm=True)
+            width=sample_size, num_frames=num_frames, max_sequence_length=16, num_inference_steps=steps,
+            guidance_scale=guidance, beta=beta, lora_r=8, lora_alpha=16, learning_rate=1e-4, clip_range=1e-2,
+            guidance_grad="both", disable_tqdm=True)  # back-propagate every transformer call, as the baseline does
         return pipe, FlowGRPOTrainer(cfg, pipe, [brightness], train_dataset=dataset)
 
     # ---------------------------------------------------------------------------------------- (a) rollout
@@ -77,12 +111,12 @@ def bench_variant(num_layers, sample_size, batch, steps, guidance, repeats, warm
     schedule = adapter.schedule(steps, sample_size, sample_size)
     noise = trainer.initial_noise(0)
     kinds = trainer._step_kinds(0)
-    pipe_embeds = {"prompt_embeds": embeds["prompt_embeds"], "pooled_prompt_embeds": embeds["pooled_prompt_embeds"]}
-    if guidance > 1:
-        pipe_embeds.update(negative_prompt_embeds=embeds["negative_prompt_embeds"],
-                           negative_pooled_prompt_embeds=embeds["negative_pooled_prompt_embeds"])
+    # The adapters' prompt-embedding names are the pipelines' argument names; FLUX's pipeline takes packed latents.
+    pipe_latents = adapter.pack(noise) if family == "flux" else noise
     common = dict(height=sample_size, width=sample_size, num_inference_steps=steps, guidance_scale=guidance,
                   output_type="latent", max_sequence_length=16)
+    if family == "wan":
+        common["num_frames"] = num_frames
 
     @torch.no_grad()
     def pipe_full():
@@ -90,7 +124,7 @@ def bench_variant(num_layers, sample_size, batch, steps, guidance, repeats, warm
 
     @torch.no_grad()
     def pipe_loop():
-        pipe(latents=noise.clone(), **pipe_embeds, **common)
+        pipe(latents=pipe_latents.clone(), **embeds, **common)
 
     def trl_sample():
         trainer.sample(prompts, columns, group_ids, 0)
@@ -114,24 +148,14 @@ def bench_variant(num_layers, sample_size, batch, steps, guidance, repeats, warm
         rollout = trainer.make_rollout(0)
         trainer.compute_advantages(rollout)
         model = trainer.model
-        K = rollout.schedule.num_steps
-        trained = [k for k in range(K) if bool(rollout.train_mask[:, k].any())]
-        # the exact transformer inputs of every (microbatch, trained step) call, prepared outside the timing
+        trained = rollout.trained_steps()
+        # The exact transformer inputs of every (microbatch, trained step) call, recorded from the adapter outside
+        # the timing (packed latents, ids, CFG batches or passes as the family makes them).
         calls = []
         for lo in range(0, len(rollout), mb):
             idx = torch.arange(lo, min(lo + mb, len(rollout)))
-            emb = {k: v[idx] for k, v in rollout.embeds.items()}
             for k in trained:
-                x = rollout.states[idx, k]
-                if guidance > 1:
-                    hs = torch.cat([x, x])
-                    pe = torch.cat([emb["negative_prompt_embeds"], emb["prompt_embeds"]])
-                    pooled = torch.cat([emb["negative_pooled_prompt_embeds"], emb["pooled_prompt_embeds"]])
-                else:
-                    hs, pe, pooled = x, emb["prompt_embeds"], emb["pooled_prompt_embeds"]
-                ts = rollout.schedule.timesteps[k].expand(hs.shape[0])
-                calls.append(dict(hidden_states=hs, timestep=ts, encoder_hidden_states=pe, pooled_projections=pooled,
-                                  return_dict=False))
+                calls += record_transformer_calls(model, lambda: trainer.forward_step(rollout, idx, k, need_ref=False))
 
         def fwd_bwd(with_ref: bool):
             model.train()
@@ -163,36 +187,54 @@ def bench_variant(num_layers, sample_size, batch, steps, guidance, repeats, warm
     return res
 
 
+def _variant_key(r: dict) -> tuple:
+    return (r.get("family", "sd3"), r["num_layers"], r["sample_size"])
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variant", action="append", default=None,
-                    help="num_layers:sample_size of the tiny SD3 pipeline; repeatable (default 2:32)")
+                    help="family:num_layers:sample_size (family: sd3, flux, wan; `num_layers:sample_size` means sd3); "
+                         "repeatable (default sd3:2:32 flux:1:32 wan:2:32)")
     ap.add_argument("--batch", type=int, default=8, help="trajectories per rollout (2 prompts x batch/2)")
     ap.add_argument("--steps", type=int, default=10, help="sampling steps")
-    ap.add_argument("--guidance", type=float, default=4.5, help="CFG scale (> 1: two transformer passes)")
+    ap.add_argument("--guidance", type=float, default=None,
+                    help="guidance scale (default per family: sd3/wan CFG 4.5, two passes; flux distilled 3.5, one)")
+    ap.add_argument("--num-frames", type=int, default=9, help="frames per Wan video")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: leave torch's default)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                    "overhead.json"))
+    ap.add_argument("--fresh", action="store_true",
+                    help="overwrite --out instead of replacing only the variants run now (others are kept)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    variants = args.variant or ["2:32"]
+    variants = args.variant or ["sd3:2:32", "flux:1:32", "wan:2:32"]
+    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "platform": platform.platform(),
+            "processor": platform.processor(), "batch": args.batch, "steps": args.steps, "repeats": args.repeats,
+            "warmup": args.warmup, "device": "cpu", "date": time.strftime("%Y-%m-%d")}
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for v in variants:
-            layers, size = (int(x) for x in v.split(":"))
-            print(f"benchmarking num_layers={layers} sample_size={size} ...", flush=True)
-            results.append(bench_variant(layers, size, args.batch, args.steps, args.guidance, args.repeats,
-                                         args.warmup, tmp))
+            parts = v.split(":")
+            family = parts[0] if len(parts) == 3 else "sd3"
+            if family not in FAMILIES:
+                raise SystemExit(f"--variant {v}: family must be one of {sorted(FAMILIES)}")
+            layers, size = (int(x) for x in parts[-2:])
+            print(f"benchmarking {family} num_layers={layers} sample_size={size} ...", flush=True)
+            r = bench_variant(family, layers, size, args.batch, args.steps, args.guidance, args.repeats,
+                              args.warmup, tmp, num_frames=args.num_frames)
+            r["meta"] = meta
+            results.append(r)
 
-    hdr = (f"{'variant':>9} | {'measure (medians)':<42} | {'trl_flow s':>10} | {'baseline s':>10} | {'ratio':>6} | "
+    hdr = (f"{'variant':>14} | {'measure (medians)':<42} | {'trl_flow s':>10} | {'baseline s':>10} | {'ratio':>6} | "
            f"{'min/min':>7} | goal")
     print("\n" + hdr + "\n" + "-" * len(hdr))
     for r in results:
-        name = f"{r['num_layers']}L/{r['sample_size']}px"
+        name = f"{r['family']} {r['num_layers']}L/{r['sample_size']}px"
         ro = r["rollout"]
         rows = [
             ("rollout: trainer.sample vs pipe(prompt)", ro["trl_sample_s"], ro["pipe_s"], ro["ratio_sample_of_mins"],
@@ -208,14 +250,21 @@ def main():
              u1["ratio_vs_fwd_bwd_ref_of_mins"], "<=1.10"),
         ]
         for label, a, b, mins, goal in rows:
-            print(f"{name:>9} | {label:<42} | {a:>10.4f} | {b:>10.4f} | {a / b:>6.3f} | {mins:>7.3f} | {goal}")
-    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "platform": platform.platform(),
-            "processor": platform.processor(), "batch": args.batch, "steps": args.steps, "guidance": args.guidance,
-            "repeats": args.repeats, "warmup": args.warmup, "device": "cpu"}
+            print(f"{name:>14} | {label:<42} | {a:>10.4f} | {b:>10.4f} | {a / b:>6.3f} | {mins:>7.3f} | {goal}")
+    kept = []
+    if not args.fresh and os.path.exists(args.out):
+        with open(args.out) as f:
+            old = json.load(f)
+        done = {_variant_key(r) for r in results}
+        for r in old.get("results", []):
+            if _variant_key(r) not in done:
+                r.setdefault("family", "sd3")
+                r.setdefault("meta", old.get("meta"))
+                kept.append(r)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=2)
-    print(f"\nwrote {args.out}")
+        json.dump({"results": kept + results}, f, indent=2)
+    print(f"\nwrote {args.out} ({len(results)} variants run now, {len(kept)} kept from the previous file)")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,12 @@
 
 For each sample the rollout stores every state ``x_0 .. x_K``, the per-step behaviour log-probs and kernel means
 (frozen as ``logp_old`` / ``mu_old``), and which steps are trainable. ``N`` is the number of samples on this
-process, ``K`` the number of sampling steps, ``L`` the latent shape (e.g. C, h, w).
+process, ``K`` the number of sampling steps, ``L`` the latent shape (e.g. C, h, w; video: C, F', h, w).
+
+Memory: states and means take ``N (K + 1) prod(L) 4 + N K prod(L) 4`` bytes (float32), plus ``5 N K`` for the
+log-probs and train mask and ``N prod(O) 4`` for the decoded samples of shape O; the exact count is
+:meth:`trl_flow.models.FlowAdapter.rollout_bytes` (prompt embeddings come on top, and ``N K prod(L) 4`` more for
+``velocities`` when a trainer keeps them).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ class Rollout:
         means: (N, K, *L) float32 behaviour kernel means.
         stds: (K,) float32 kernel std per step (0 = deterministic step).
         train_mask: (N, K) bool, the steps that are trained.
-        images: (N, 3, H, W) float32 in [0, 1], the decoded samples.
+        images: (N, 3, H, W) (video: (N, F, 3, H, W)) float32 in [0, 1], the decoded samples.
         rewards: (N,) float32 combined reward (NaN where no reward function gave a value).
         rewards_per_func: name -> (N,) float32 (NaN where that function skipped the sample).
         advantages: (N,) or (N, K) float32, set by the trainer.

@@ -1,8 +1,20 @@
 """The small interface a trainer needs from a diffusers pipeline.
 
-An adapter wraps one pipeline family (SD3, later FLUX and Wan) and exposes exactly five operations: encode
-prompts, build the sigma schedule, draw initial noise, predict the (guided) velocity, decode latents. It uses the
-pipeline's own components and methods, so whatever ``pipe()`` does, the trainer does too.
+An adapter wraps one pipeline family (SD3, FLUX.1, Wan2.1) and exposes five operations: encode prompts, build the
+sigma schedule, draw initial noise, predict the (guided) velocity, decode latents. It uses the pipeline's own
+components and methods, so whatever ``pipe()`` does, the trainer does too.
+
+Memory of a rollout. For N samples, K steps, latents of shape L and decoded samples of shape O ((3, H, W), or
+(F, 3, H, W) for video) a rollout keeps, in float32 unless noted::
+
+    states  (N, K + 1, *L)   N (K + 1) prod(L) 4 bytes
+    means   (N, K, *L)       N K prod(L) 4
+    log_probs (N, K)         N K 4,  train_mask (N, K) bool: N K
+    decoded (N, *O)          N prod(O) 4
+
+plus the prompt embeddings (their size depends on the text encoders), see :meth:`FlowAdapter.rollout_bytes`.
+Per sample: Wan2.1-T2V-1.3B, 33 frames of 240 x 416, 20 steps: L = (16, 9, 30, 52), 18.9 MB of states + 18.0 MB
+of means + 39.5 MB of decoded frames; FLUX.1-dev at 512 x 512, 6 steps: L = (16, 64, 64), 3.4 MB + 3.1 MB of image.
 """
 
 from __future__ import annotations
@@ -44,9 +56,35 @@ class FlowAdapter:
     default_lora_target_modules: tuple[str, ...] = ()
     #: The diffusers pipeline class whose ``save_lora_weights`` writes the adapter.
     pipeline_class = None
+    #: The Hub ``pipeline_tag`` of a model trained on this family (read by the model card).
+    pipeline_tag = "text-to-image"
 
     def __init__(self, pipe):
         self.pipe = pipe
+
+    def configure(self, config) -> None:
+        """Read the family-specific fields of a trainer config (e.g. Wan's ``num_frames``) and check them against
+        the pipeline. Called once by the trainer, before any compute; raises ``ValueError`` naming the field."""
+
+    @property
+    def resolution_multiple(self) -> int:
+        """Height and width must be multiples of this (VAE scale factor x transformer patch size)."""
+        return self.pipe.vae_scale_factor * getattr(self.transformer.config, "patch_size", 1)
+
+    def output_shape(self, height: int, width: int) -> tuple[int, ...]:
+        """Shape of one decoded sample as the rewards receive it: (3, H, W), or (F, 3, H, W) for video."""
+        return (3, height, width)
+
+    def rollout_bytes(self, n: int, num_steps: int, height: int, width: int) -> int:
+        """Bytes a rollout of ``n`` samples over ``num_steps`` steps stores besides the prompt embeddings: states
+        (n, K + 1, *L) and means (n, K, *L) float32, log-probs (n, K) float32, the train mask (n, K) bool and the
+        decoded samples (n, *output_shape) float32."""
+        import math
+
+        lat = math.prod(self.latent_shape(height, width))
+        out = math.prod(self.output_shape(height, width))
+        K = num_steps
+        return n * (K + 1) * lat * 4 + n * K * lat * 4 + n * K * 4 + n * K + n * out * 4
 
     @property
     def transformer(self) -> torch.nn.Module:
@@ -83,4 +121,8 @@ class FlowAdapter:
         raise NotImplementedError
 
     def save_lora_weights(self, save_directory: str, state_dict: dict, metadata: dict | None) -> None:
-        raise NotImplementedError
+        """Write a transformer LoRA (peft state dict) with the pipeline class's own ``save_lora_weights``, so that
+        ``pipe.load_lora_weights(save_directory)`` loads it."""
+        self.pipeline_class.save_lora_weights(
+            save_directory, transformer_lora_layers=state_dict, transformer_lora_adapter_metadata=metadata
+        )

@@ -49,7 +49,7 @@ class FlowRLConfig:
     lora_r: int = field(default=32, metadata={"help": "LoRA rank (published: 32)."})
     lora_alpha: int = field(default=64, metadata={"help": "LoRA alpha (published: 64). Saved in the adapter metadata, so alpha != r round-trips."})
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout. Must be 0 for the first-step ratio to be exactly 1."})
-    lora_target_modules: list[str] | None = field(default=None, metadata={"help": "Modules to adapt; default: the attention projections of the model family (SD3: to_q to_k to_v to_out.0 add_q_proj add_k_proj add_v_proj to_add_out)."})
+    lora_target_modules: list[str] | None = field(default=None, metadata={"help": "Modules to adapt; default: the attention projections of the model family (SD3: attn.to_q attn.to_k attn.to_v attn.to_out.0 attn.add_q_proj attn.add_k_proj attn.add_v_proj attn.to_add_out; FLUX: those and ff.net.0.proj ff.net.2 ff_context.net.0.proj ff_context.net.2; Wan: to_q to_k to_v to_out.0)."})
     ema_decay: float = field(default=0.0, metadata={"help": "EMA of the trained weights (diffusers EMAModel) used for evaluation and `save_model`; 0 disables (published: 0.9)."})
     # ---- sampling ----------------------------------------------------------------------------------------------
     sampler: str = field(default="flow_sde", metadata={"help": "Transition kernel of the rollout: `flow_sde` (Flow-GRPO), `cps` (coefficients-preserving), `ddim` (Stepwise-Flow-GRPO) or `ode`."})
@@ -58,6 +58,7 @@ class FlowRLConfig:
     guidance_scale: float = field(default=4.5, metadata={"help": "Classifier-free guidance scale of the rollout and the update; <= 1 means one unguided pass (published: 4.5)."})
     height: int = field(default=512, metadata={"help": "Image height in pixels."})
     width: int = field(default=512, metadata={"help": "Image width in pixels."})
+    num_frames: int = field(default=33, metadata={"help": "Frames per video for video pipelines (Wan: 4k + 1; published Wan2.1 recipe: 33 at 240x416). Image pipelines ignore it."})
     max_sequence_length: int = field(default=256, metadata={"help": "T5 prompt length (pipelines without T5 ignore it)."})
     same_noise_per_group: bool = field(default=False, metadata={"help": "Give all trajectories of a group the same initial noise."})
     sde_window_size: int = field(default=0, metadata={"help": "Flow-GRPO-Fast / MixGRPO window: if > 0, only this many consecutive steps are stochastic (start drawn in [0, sde_window_range)), ODE elsewhere, and only they are trained. 0: every step but the last."})
@@ -101,7 +102,7 @@ class FlowRLConfig:
 
         for name in ("max_steps", "num_generations", "prompts_per_step", "per_device_train_batch_size",
                      "gradient_accumulation_steps", "num_inner_epochs", "num_inference_steps",
-                     "eval_num_inference_steps", "per_device_eval_batch_size", "height", "width", "lora_r",
+                     "eval_num_inference_steps", "per_device_eval_batch_size", "height", "width", "num_frames", "lora_r",
                      "logging_steps"):
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "must be an integer >= 1")
         for name in ("eval_steps", "save_steps", "log_images_steps", "warmup_steps", "sde_window_size"):

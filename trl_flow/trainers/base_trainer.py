@@ -84,9 +84,10 @@ class FlowRLTrainer:
         self.eval_dataset = check_prompt_dataset(eval_dataset, "eval_dataset") if eval_dataset is not None else None
         if config.eval_steps and self.eval_dataset is None:
             raise ValueError("eval_steps > 0 needs an eval_dataset; pass one or set eval_steps=0")
-        self.adapter = get_adapter(pipe)
-        self.pipe = pipe
-        factor = pipe.vae_scale_factor * getattr(pipe.transformer.config, "patch_size", 1)
+        self.adapter = get_adapter(pipe)  # a pipeline, or an adapter built with options (e.g. FluxAdapter(pipe, ...))
+        self.adapter.configure(config)
+        self.pipe = self.adapter.pipe
+        factor = self.adapter.resolution_multiple
         if config.height % factor or config.width % factor:
             raise ValueError(
                 f"height={config.height}, width={config.width}: must be multiples of {factor} "
@@ -115,11 +116,11 @@ class FlowRLTrainer:
         return self.accelerator.device
 
     def _check_rewards(self):
-        """Call every reward once on two grey images before any model compute: a reward that raises or returns
-        the wrong length fails here, naming itself."""
+        """Call every reward once on two grey images (videos: (2, F, 3, H, W)) before any model compute: a reward
+        that raises or returns the wrong length fails here, naming itself."""
         rows = self.train_dataset[: min(2, len(self.train_dataset))]
         prompts = rows.pop("prompt")
-        images = torch.full((len(prompts), 3, self.config.height, self.config.width), 0.5)
+        images = torch.full((len(prompts), *self.adapter.output_shape(self.config.height, self.config.width)), 0.5)
         dtype = torch.bfloat16 if self.config.bf16 else torch.float16 if self.config.fp16 else torch.float32
         for f in self.reward_funcs:  # reward models run on the trainer's device and dtype unless told otherwise
             if callable(getattr(f, "prepare", None)):
@@ -663,6 +664,11 @@ class FlowRLTrainer:
 
     def _save_grid(self, images: torch.Tensor, filename: str) -> None:
         if not self.accelerator.is_main_process or images is None or not len(images):
+            return
+        if images.ndim == 5:  # videos (B, F, 3, H, W): one frame strip per row, and a GIF/MP4 of each
+            from ..video import save_videos
+
+            save_videos(images[:8], os.path.join(self.config.output_dir, "samples"), filename)
             return
         out = os.path.join(self.config.output_dir, "samples")
         os.makedirs(out, exist_ok=True)

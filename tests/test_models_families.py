@@ -1,0 +1,319 @@
+"""FLUX.1 and Wan2.1 adapters against their own diffusers pipelines, and every trainer on both families.
+
+Tiny random FluxPipeline / WanPipeline (trl_flow.testing), 32 x 32 px, Wan videos of 5 or 9 frames.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from conftest import HEIGHT, MAX_SEQ, PROMPTS, WIDTH
+
+import trl_flow
+from trl_flow.testing import tiny_flux_pipeline, tiny_wan_pipeline
+
+FAMILIES = ("flux", "wan")
+
+
+def make_pipe(family, **kwargs):
+    return tiny_flux_pipeline(**kwargs) if family == "flux" else tiny_wan_pipeline(**kwargs)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_scheduler_swap(monkeypatch):
+    """The Wan scheduler swap warns once per process; tests that check the warning reset the flag themselves."""
+    import trl_flow.models.wan as wan
+
+    monkeypatch.setattr(wan, "_SCHEDULER_SWAP_WARNED", True)
+
+
+def exported_trainers():
+    """Every trainer class trl_flow exports (FlowGRPOTrainer, OPGRPOTrainer, ...), with its config class."""
+    out = []
+    for name in trl_flow.__all__:
+        obj = getattr(trl_flow, name)
+        if inspect.isclass(obj) and issubclass(obj, trl_flow.FlowRLTrainer) and obj is not trl_flow.FlowRLTrainer:
+            out.append(obj)
+    return out
+
+
+# ------------------------------------------------------------------------------------------- pipeline parity
+PARITY = [
+    # (family, guidance_scale, adapter options, pipeline kwargs)
+    ("flux", 3.5, {}, {}),  # distilled guidance only: one pass per step
+    ("flux", 3.5, {"true_cfg_scale": 2.5, "negative_prompt": "ugly"}, {"true_cfg_scale": 2.5}),
+    ("wan", 1.0, {"num_frames": 9}, {"num_frames": 9}),
+    ("wan", 4.5, {"num_frames": 9, "negative_prompt": "blurry"}, {"num_frames": 9}),  # CFG: two passes per step
+]
+
+
+@pytest.mark.parametrize("family,guidance_scale,options,pipe_kwargs", PARITY,
+                         ids=["flux", "flux-true-cfg", "wan", "wan-cfg"])
+def test_ode_rollout_reproduces_pipeline_exactly(family, guidance_scale, options, pipe_kwargs):
+    """The `ode` kernel over the adapter's schedule, from the adapter's noise, ends exactly where pipe() ends; the
+    adapter's decode is exactly the pipeline's decoded output."""
+    from trl_flow.models import get_adapter
+    from trl_flow.rollout import sample_trajectories
+
+    pipe = make_pipe(family)
+    adapter = get_adapter(pipe, **options)  # (Wan: swaps UniPC for flow-matching Euler first, as training does)
+    prompts = PROMPTS[:3]
+    K = 4
+    if "negative_prompt" in options:
+        pipe_kwargs = {**pipe_kwargs, "negative_prompt": [options["negative_prompt"]] * len(prompts)}
+    call = dict(height=HEIGHT, width=WIDTH, num_inference_steps=K, guidance_scale=guidance_scale,
+                max_sequence_length=MAX_SEQ, **pipe_kwargs)
+    out = pipe(prompts, generator=torch.Generator().manual_seed(3), output_type="latent", **call)
+    expected = out.images if family == "flux" else out.frames
+    noise = adapter.initial_noise(len(prompts), HEIGHT, WIDTH, torch.Generator().manual_seed(3))
+    with torch.no_grad():  # as the trainer encodes (T5 takes another code path with grad enabled)
+        embeds = adapter.encode_prompts(prompts, guidance_scale > 1, MAX_SEQ)
+    schedule = adapter.schedule(K, HEIGHT, WIDTH)
+    assert schedule.num_steps == K and float(schedule.sigmas[0]) == 1.0 and float(schedule.sigmas[-1]) == 0.0
+    traj = sample_trajectories(adapter, pipe.transformer, embeds, noise, schedule, ["ode"] * K, 0.0,
+                               guidance_scale, batch_size=len(prompts))
+    final = traj["states"][:, -1]
+    assert torch.equal(traj["states"][:, 0], noise)
+    if family == "flux":
+        assert final.shape == (3, 4, HEIGHT // 2, WIDTH // 2)  # stored unpacked; the pipeline returns packed
+        final = adapter.pack(final)
+    else:
+        assert final.shape == (3, 4, 3, HEIGHT // 8, WIDTH // 8)  # (B, C, F', h, w), F' = (9 - 1) / 4 + 1
+    assert torch.equal(final, expected)
+    # decoding: the same pixels as the pipeline's own output
+    decoded = pipe(prompts, generator=torch.Generator().manual_seed(3), output_type="pt", **call)
+    decoded = decoded.images if family == "flux" else decoded.frames
+    with torch.no_grad():
+        ours = adapter.decode(traj["states"][:, -1])
+    assert ours.shape == (3, *adapter.output_shape(HEIGHT, WIDTH))
+    assert torch.equal(ours, decoded)
+
+
+def test_flux_guidance_is_the_distilled_embedding():
+    """FLUX's guidance_scale changes the velocity through the guidance embedding, with one transformer pass."""
+    from trl_flow.models import FluxAdapter
+
+    pipe = tiny_flux_pipeline()
+    adapter = FluxAdapter(pipe)
+    calls = []
+    hook = pipe.transformer.register_forward_hook(lambda m, a, kw, o: calls.append(kw["guidance"]), with_kwargs=True)
+    x = adapter.initial_noise(2, HEIGHT, WIDTH, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        embeds = adapter.encode_prompts(PROMPTS[:2], True, MAX_SEQ)
+        assert set(embeds) == {"prompt_embeds", "pooled_prompt_embeds"}  # no negative prompt without true CFG
+        t = adapter.schedule(4, HEIGHT, WIDTH).timesteps[1]
+        v1 = adapter.velocity(pipe.transformer, x, t, embeds, 1.0)
+        v35 = adapter.velocity(pipe.transformer, x, t, embeds, 3.5)
+    hook.remove()
+    assert len(calls) == 2 and calls[1].tolist() == [3.5, 3.5]
+    assert not torch.allclose(v1, v35)
+    with pytest.raises(ValueError, match="negative_prompt"):
+        FluxAdapter(pipe, true_cfg_scale=2.0)
+
+
+def test_wan_swaps_unipc_for_flow_matching_with_one_warning(monkeypatch):
+    import trl_flow.models.wan as wan
+    from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+
+    from trl_flow.models import WanAdapter, get_adapter
+
+    monkeypatch.setattr(wan, "_SCHEDULER_SWAP_WARNED", False)
+    pipe = tiny_wan_pipeline()
+    assert isinstance(pipe.scheduler, UniPCMultistepScheduler)
+    with pytest.warns(UserWarning, match="FlowMatchEulerDiscreteScheduler"):
+        adapter = get_adapter(pipe)
+    assert isinstance(adapter, WanAdapter) and adapter.pipeline_tag == "text-to-video"
+    assert isinstance(pipe.scheduler, FlowMatchEulerDiscreteScheduler) and pipe.scheduler.config.shift == 3.0
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        get_adapter(tiny_wan_pipeline())  # once per process
+        kept = tiny_wan_pipeline(scheduler="flow_match")
+        sched = kept.scheduler
+        get_adapter(kept)
+        assert kept.scheduler is sched  # a flow-matching scheduler is left alone
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_detach_uncond_keeps_value_and_drops_uncond_gradient(family):
+    """guidance_grad='cond_only': the guided velocity is the same; the gradient flows through the conditional pass
+    only (FLUX with true CFG, Wan with CFG: two transformer passes)."""
+    from trl_flow.models import FluxAdapter, WanAdapter
+
+    pipe = make_pipe(family)
+    adapter = (FluxAdapter(pipe, true_cfg_scale=3.0, negative_prompt="") if family == "flux"
+               else WanAdapter(pipe, num_frames=5))
+    with torch.no_grad():
+        embeds = adapter.encode_prompts(PROMPTS[:2], True, MAX_SEQ)
+    t = adapter.schedule(4, HEIGHT, WIDTH).timesteps[1]
+    x0 = adapter.initial_noise(2, HEIGHT, WIDTH, torch.Generator().manual_seed(0))
+
+    def value_and_grad(detach):
+        x = x0.clone().requires_grad_(True)
+        v = adapter.velocity(pipe.transformer, x, t, embeds, 3.0, detach_uncond=detach)
+        (v * torch.linspace(-1, 1, v.numel()).view_as(v)).sum().backward()
+        return v.detach(), x.grad
+
+    v_full, g_full = value_and_grad(False)
+    v_cond, g_cond = value_and_grad(True)
+    assert torch.equal(v_full, v_cond)
+    assert not torch.allclose(g_full, g_cond)
+
+
+# ---------------------------------------------------------------------------------------- every trainer
+def video_or_image_brightness(images, prompts, **columns):
+    return images.mean(dim=tuple(range(1, images.ndim)))
+
+
+def family_config(config_class, tmp_path, family, **overrides):
+    kwargs = dict(
+        output_dir=str(tmp_path / "out"), max_steps=2, num_generations=2, prompts_per_step=4,
+        per_device_train_batch_size=4, height=HEIGHT, width=WIDTH, max_sequence_length=MAX_SEQ,
+        num_inference_steps=3, eval_num_inference_steps=3, per_device_eval_batch_size=4,
+        guidance_scale=3.5 if family == "flux" else 4.5, lora_r=4, lora_alpha=8, learning_rate=1e-2,
+        clip_range=5e-2, beta=0.01, disable_tqdm=True, num_frames=5,
+    )
+    kwargs.update(overrides)
+    return config_class(**kwargs)
+
+
+@pytest.mark.parametrize("trainer_class", exported_trainers(), ids=lambda c: c.__name__)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_trainer_trains_on_family(tmp_path, family, trainer_class):
+    """Two iterations; the first ratio of each is exactly 1; the LoRA moves; rewards get (B, 3, H, W) images or
+    (B, F, 3, H, W) videos; video sample strips are written."""
+    seen = []
+
+    def reward(images, prompts, **columns):
+        seen.append(tuple(images.shape))
+        return video_or_image_brightness(images, prompts)
+
+    config = family_config(trainer_class.config_class, tmp_path, family, log_images_steps=2)
+    trainer = trainer_class(config, make_pipe(family), [reward], train_dataset=PROMPTS)
+    expect = (3, HEIGHT, WIDTH) if family == "flux" else (5, 3, HEIGHT, WIDTH)
+    assert seen == [(2, *expect)]  # the reward check before any compute gets the family's output shape
+    before = [p.detach().clone() for p in trainer.trainable_params]
+    state = trainer.train()
+    assert all(s[1:] == expect for s in seen)
+    assert len(state.log_history) == 2
+    for entry in state.log_history:
+        assert entry["ratio_first_max_dev"] == 0.0
+        assert entry.get("kl_old_first_max", 0.0) == 0.0  # old-vs-new kernel KL before the first update
+        assert torch.isfinite(torch.tensor(entry["loss"])) and entry["nonfinite_skipped"] == 0
+    assert any(not torch.equal(b, p) for b, p in zip(before, trainer.trainable_params))
+    samples = tmp_path / "out" / "samples"
+    assert (samples / "train_step_2.png").exists()
+    if family == "wan":
+        assert len(list(samples.glob("train_step_2_*.*"))) == 8  # one GIF/MP4 per video
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_round_trips_through_pipeline_loaders(tmp_path, family):
+    """save_model -> a fresh pipeline's load_lora_weights -> exactly the trained pipeline's output."""
+    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
+    from trl_flow.models import get_adapter
+
+    config = family_config(FlowGRPOConfig, tmp_path, family, max_steps=1, beta=0.0)
+    trainer = FlowGRPOTrainer(config, make_pipe(family), [video_or_image_brightness], train_dataset=PROMPTS)
+    trainer.train()
+    out = trainer.save_model(str(tmp_path / "final"))
+    fresh = make_pipe(family)
+    get_adapter(fresh)  # Wan: the same scheduler swap the trained pipeline got
+    call = dict(prompt=["a cat"], height=HEIGHT, width=WIDTH, num_inference_steps=3, max_sequence_length=MAX_SEQ,
+                output_type="latent", **({"num_frames": 5} if family == "wan" else {}))
+
+    def run(pipe):
+        with torch.no_grad():
+            return pipe(generator=torch.Generator().manual_seed(0), **call)[0]
+
+    base = run(fresh)
+    fresh.load_lora_weights(out)
+    loaded, trained = run(fresh), run(trainer.pipe)
+    assert torch.equal(loaded, trained)
+    assert (loaded - base).abs().max() > 1e-4  # the LoRA is not a no-op
+
+
+def test_wan_video_rollout_stays_within_memory_estimate(tmp_path):
+    """Everything a Wan rollout stores besides the prompt embeddings is the documented estimate (states, means,
+    log-probs, mask, decoded videos) plus a few scalars per sample."""
+    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
+
+    config = family_config(FlowGRPOConfig, tmp_path, "wan", num_frames=9, num_inference_steps=4)
+    trainer = FlowGRPOTrainer(config, make_pipe("wan"), [video_or_image_brightness], train_dataset=PROMPTS)
+    rollout = trainer.make_rollout(0)
+    trainer.compute_advantages(rollout)
+    n, K = len(rollout), config.num_inference_steps
+    estimate = trainer.adapter.rollout_bytes(n, K, HEIGHT, WIDTH)
+    lat = 4 * 3 * (HEIGHT // 8) * (WIDTH // 8)
+    assert estimate == n * (K + 1) * lat * 4 + n * K * lat * 4 + n * K * 5 + n * 9 * 3 * HEIGHT * WIDTH * 4
+
+    def nbytes(x):
+        if isinstance(x, torch.Tensor):
+            return x.numel() * x.element_size()
+        if isinstance(x, dict):
+            return sum(nbytes(v) for v in x.values())
+        return 0
+
+    core = sum(nbytes(getattr(rollout, f)) for f in ("states", "means", "log_probs", "train_mask", "images"))
+    assert core == estimate
+    stored = sum(nbytes(v) for k, v in vars(rollout).items() if k != "embeds")
+    assert estimate <= stored <= estimate + 64 * n  # rewards, advantages, group ids, stds: O(N + K)
+
+
+# ------------------------------------------------------------------------------------------- bad input, loading
+def test_unsupported_pipeline_lists_supported_ones():
+    from diffusers import DiffusionPipeline
+
+    from trl_flow.models import get_adapter
+
+    class MyPipeline(DiffusionPipeline):
+        pass
+
+    with pytest.raises(TypeError, match="FluxPipeline.*StableDiffusion3Pipeline.*WanPipeline"):
+        get_adapter(MyPipeline())
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"num_frames": 8}, "num_frames=8: Wan needs 4k \\+ 1"),
+    ({"height": 40}, "multiples of 16"),
+])
+def test_wan_bad_config_fails_before_compute(tmp_path, overrides, match):
+    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
+
+    calls = []
+    config = family_config(FlowGRPOConfig, tmp_path, "wan", **overrides)
+    with pytest.raises(ValueError, match=match):
+        FlowGRPOTrainer(config, make_pipe("wan"), [lambda im, p, **c: calls.append(1) or [0.0] * len(p)],
+                        train_dataset=PROMPTS)
+    assert calls == []
+
+
+def test_trainer_accepts_configured_adapter(tmp_path):
+    """A FluxAdapter with true CFG in place of the pipeline: two transformer passes per velocity."""
+    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
+    from trl_flow.models import FluxAdapter
+
+    adapter = FluxAdapter(make_pipe("flux"), true_cfg_scale=2.0, negative_prompt="")
+    config = family_config(FlowGRPOConfig, tmp_path, "flux", max_steps=1)
+    trainer = FlowGRPOTrainer(config, adapter, [video_or_image_brightness], train_dataset=PROMPTS)
+    assert trainer.adapter is adapter and trainer.pipe is adapter.pipe
+    rollout = trainer.make_rollout(0)
+    assert "negative_prompt_embeds" in rollout.embeds
+    with pytest.raises(TypeError, match="set them on the adapter"):
+        from trl_flow.models import get_adapter
+
+        get_adapter(adapter, true_cfg_scale=3.0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_load_pipeline_round_trip(tmp_path, family):
+    """A tiny pipeline saved with save_pretrained loads through load_pipeline (the real loading path)."""
+    from trl_flow.models import FluxAdapter, WanAdapter, get_adapter, load_pipeline
+
+    make_pipe(family).save_pretrained(tmp_path / "pipe")
+    pipe = load_pipeline(str(tmp_path / "pipe"))
+    assert type(get_adapter(pipe)) is (FluxAdapter if family == "flux" else WanAdapter)
+    assert pipe.tokenizer_2 is not None if family == "flux" else pipe.tokenizer is not None
