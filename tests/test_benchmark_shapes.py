@@ -17,7 +17,7 @@ def test_quick_harness_writes_every_output(tmp_path):
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
     summary = mod.main(["--quick", "--out", str(tmp_path)])
-    for name in ("results.json", "table.md", "score_vs_step.png", "score_vs_time.png", "score_vs_kl.png"):
+    for name in ("results.json", "summary.json", "table.md", "score_vs_step.png", "score_vs_cpu.png", "score_vs_kl.png"):
         assert os.path.getsize(tmp_path / name) > 100, name
     data = json.loads((tmp_path / "results.json").read_text())
     assert {r["method"] for r in data["runs"]} == {"flow_grpo", "op_grpo"}
@@ -25,16 +25,23 @@ def test_quick_harness_writes_every_output(tmp_path):
         assert [e["step"] for e in run["evals"]] == [0, 2, 3]
         assert len(run["iterations"]) == 3
         for e in run["evals"]:
-            o = e["scores"]["overall"]
-            assert 0 <= o["strict"] <= o["partial"] <= 1 and 0.5 < o["cleanliness"] <= 1
+            for split in ("val", "test"):
+                o = e[split]["overall"]
+                assert 0 <= o["strict"] <= o["partial"] <= 1 and 0.5 < o["cleanliness"] <= 1 and o["n"] == 4
             assert math.isfinite(e["kl"]) and e["kl"] >= 0
         assert run["evals"][0]["kl"] < 1e-10  # before any update the policy is the base model
         assert run["evals"][-1]["kl"] > 0     # after updates it has moved
         for it in run["iterations"]:
             assert it["ratio_first_max_dev"] == 0.0
-            assert it["time/rollout_s"] > 0 and it["time/update_s"] > 0
+            assert it["time/rollout_s"] > 0 and it["time/update_s"] > 0 and it["cpu_s"] > 0
     op_iters = [r for r in data["runs"] if r["method"] == "op_grpo"][0]["iterations"]
     assert op_iters[-1]["buffer/size"] > 0 and any(i["off_policy_share"] > 0 for i in op_iters)
-    assert summary["target"] is not None and "flow_grpo" in summary["methods"]
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["score_key"] == "partial" and saved["split"] == "val" and 0 < saved["base"] < 1
+    for m in ("flow_grpo", "op_grpo"):
+        s = saved["methods"][m]
+        assert s["seeds"] == [0] and 0 <= s["final_mean"] <= 1 and s["final_std"] == 0.0 and s["kl_final"] > 0
+        assert "steps_to_target" in s or saved["target"] is None
+    assert set(saved["acceptance"]) >= {"gain", "gain_at_least_0.08", "gain_at_least_3_std", "cleanliness_ok"}
     table = (tmp_path / "table.md").read_text()
     assert "| flow_grpo |" in table and "| op_grpo |" in table

@@ -212,3 +212,45 @@ def test_base_pipeline_loads_and_generates(base_pipe):
     assert images.shape == (2, 3, 32, 32) and images.min() >= 0 and images.max() <= 1
     rewards = shapes.shapes_partial_reward(images, ["a red circle", "two blue squares"])
     assert len(rewards) == 2 and all(0 <= r <= 1 for r in rewards)
+
+
+# ------------------------------------------------------------------------------------ RL split, dense reward
+
+
+def test_val_split_is_held_out_from_rl_training_and_disjoint_from_test():
+    train = set(grammar.train_prompts()["prompt"])
+    rl, val, test = (set(d["prompt"]) for d in (grammar.rl_train_prompts(), grammar.val_prompts(), grammar.test_prompts()))
+    assert rl | val == train and not rl & val and not val & test and not rl & test
+    assert 0.1 < len(val) / len(train) < 0.3  # VAL_FRACTION = 0.2 of the train split, by md5 rank
+    pos = grammar.rl_train_prompts(categories=("position",))
+    assert set(pos["category"]) == {"position"} and set(pos["prompt"]) <= rl
+    assert list(grammar.val_prompts()["prompt"]) == list(grammar.val_prompts()["prompt"])  # deterministic
+
+
+def test_dense_reward_is_graded_and_agrees_with_the_detector():
+    rng = np.random.default_rng(0)
+    prompts = [p for p, _ in grammar.all_prompts()][::7]
+    images = render_batch(prompts, rng=rng)
+    dense = np.array(shapes.shapes_dense_reward(images, prompts))
+    assert dense.min() > 0.85  # rendered ground truth: every soft constraint close to 1
+    shuffled = prompts[1:] + prompts[:1]
+    d_wrong = np.array(shapes.shapes_dense_reward(images, shuffled))
+    p_wrong = np.array(shapes.shapes_partial_reward(images, shuffled))
+    assert d_wrong.mean() < dense.mean() - 0.3
+    assert np.corrcoef(d_wrong, p_wrong)[0, 1] > 0.9  # the same constraints, graded
+    assert np.mean(shapes.shapes_dense_reward(torch.rand_like(images), prompts)) < 0.3
+    # graded: eroding a rendered square pixel by pixel lowers the dense score step by step, while the
+    # detector's partial score stays constant until a threshold flips
+    img = render("a red square", np.random.default_rng(1))
+    img = torch.as_tensor(img).float()
+    if img.shape[0] != 3:
+        img = img.permute(2, 0, 1)
+    mask = img[0] > 0.5
+    ys, xs = torch.nonzero(mask, as_tuple=True)
+    scores = []
+    for n in range(0, 13, 3):  # blacken n pixels of the square's top row
+        x = img.clone()
+        for i in range(n):
+            x[:, ys.min(), xs.min() + i] = 0
+        scores.append(reward.dense_score(x, "a red square"))
+    assert all(a > b for a, b in zip(scores, scores[1:])), scores

@@ -8,6 +8,8 @@ StableDiffusion3 pipeline and its committed base checkpoint), ``benchmark`` (fix
 
 from .grammar import (
     CATEGORIES,
+    rl_train_prompts,
+    val_prompts,
     COLORS,
     RELATIONS,
     SHAPES,
@@ -30,7 +32,16 @@ from .model import (
     load_base_pipeline,
 )
 from .render import render, render_batch
-from .reward import detect, evaluate, score, shape_cleanliness, shapes_partial_reward, shapes_strict_reward
+from .reward import (
+    dense_score,
+    detect,
+    evaluate,
+    score,
+    shape_cleanliness,
+    shapes_dense_reward,
+    shapes_partial_reward,
+    shapes_strict_reward,
+)
 from .benchmark import eval_prompts, evaluate_pipeline
 
 __all__ = [
@@ -60,6 +71,10 @@ __all__ = [
     "score",
     "shape_cleanliness",
     "shapes_partial_reward",
+    "shapes_dense_reward",
+    "dense_score",
+    "rl_train_prompts",
+    "val_prompts",
     "shapes_strict_reward",
     "eval_prompts",
     "evaluate_pipeline",

@@ -251,5 +251,30 @@ def test_prompts(max_count: int = DEFAULT_MAX_COUNT):
     return _dataset([(s.to_prompt(), s.category) for s in all_specs(max_count) if is_test_spec(s)])
 
 
+VAL_FRACTION = 0.2
+
+
+def is_val_spec(spec: PromptSpec) -> bool:
+    """Whether a TRAIN-split prompt is held out from RL training as the validation split: the md5 rank of the
+    prompt text puts ``VAL_FRACTION`` of each category's train prompts there (deterministic on every platform).
+    Unlike the test split, validation prompts may combine objects that training prompts also pair."""
+    if is_test_spec(spec):
+        return False
+    digest = hashlib.md5(("val/" + spec.to_prompt()).encode()).digest()
+    return int.from_bytes(digest[:4], "little") / 2**32 < VAL_FRACTION
+
+
+def rl_train_prompts(max_count: int = DEFAULT_MAX_COUNT, categories: tuple[str, ...] | None = None):
+    """The prompts RL trains on: the train split minus the validation split (optionally only ``categories``)."""
+    return _dataset([(s.to_prompt(), s.category) for s in all_specs(max_count)
+                     if not is_test_spec(s) and not is_val_spec(s) and (categories is None or s.category in categories)])
+
+
+def val_prompts(max_count: int = DEFAULT_MAX_COUNT):
+    """Prompts of the train split that RL never trains on (``is_val_spec``): the held-out split of the same
+    grammar. The stricter held-out-pairs split is :func:`test_prompts`."""
+    return _dataset([(s.to_prompt(), s.category) for s in all_specs(max_count) if is_val_spec(s)])
+
+
 # pytest must not collect ``test_prompts`` as a test when it is imported into a test module.
 test_prompts.__test__ = False  # type: ignore[attr-defined]

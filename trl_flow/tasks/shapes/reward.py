@@ -318,3 +318,102 @@ def format_evaluation(result: dict) -> str:
     for name, r in result.items():
         lines.append(f"{name:<12} {r['n']:>5} {r['strict']:>7.3f} {r['partial']:>8.3f} {r['cleanliness']:>6.3f}")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------- dense reward
+
+DENSE_TEMPERATURE = 0.03  # width (in fill ratio) of the soft shape thresholds
+DENSE_ASPECT_TEMPERATURE = 0.1
+DENSE_RELATION_TEMPERATURE = 0.1
+
+
+def _sigmoid(x: float) -> float:
+    return float(1.0 / (1.0 + np.exp(-np.clip(x, -60, 60))))
+
+
+def soft_objects(image, min_pixels: int | None = None) -> list[dict]:
+    """The detector's components with graded instead of hard decisions: every component of at least a quarter of
+    ``min_pixels`` gets a weight ``w`` (0 at a quarter, 1 from ``min_pixels`` on, linear between) and soft
+    shape memberships ``p`` (dict shape -> [0, 1], summing to <= 1) from sigmoids around the detector's fill-ratio
+    thresholds (width ``DENSE_TEMPERATURE``) and its aspect-ratio limit."""
+    labels = palette_labels(image)
+    h, w = labels.shape
+    if min_pixels is None:
+        min_pixels = max(1, int(round(MIN_PIXELS_AT_32 * h * w / (32 * 32))))
+    lo = min_pixels / 4
+    out = []
+    for ci, color in enumerate(COLORS, start=1):
+        mask = labels == ci
+        if not mask.any():
+            continue
+        for area, x0, y0, x1, y1 in _components(mask):
+            if area < lo:
+                continue
+            bw, bh = x1 - x0 + 1, y1 - y0 + 1
+            fill = area / float(bw * bh)
+            aspect = max(bw / bh, bh / bw)
+            ok = _sigmoid((MAX_ASPECT - aspect) / DENSE_ASPECT_TEMPERATURE)
+            c_sq, c_ci, c_tr = (_sigmoid((fill - t) / DENSE_TEMPERATURE) for t in (SQUARE_FILL, CIRCLE_FILL, TRIANGLE_FILL))
+            p = {"square": ok * c_sq, "circle": ok * max(0.0, c_ci - c_sq), "triangle": ok * max(0.0, c_tr - c_ci)}
+            weight = min(1.0, max(0.0, (area - lo) / (min_pixels - lo)))
+            out.append({"color": color, "w": weight, "p": p, "box": (x0, y0, x1, y1)})
+    return out
+
+
+def dense_score(image, prompt) -> float:
+    """A dense, graded version of :func:`score`'s ``partial``: the same constraints, each scored in [0, 1] from
+    :func:`soft_objects` (soft counts ``sum w p``; a count constraint scores ``max(0, 1 - |got - want|)``, a
+    presence ``min(1, got)``, the relation a sigmoid of GenEval's angular margin). Equals 1 only for a clean,
+    correct image, and moves with every pixel that changes a component's fill ratio, size or position."""
+    spec = _as_spec(prompt)
+    objs = soft_objects(image)
+
+    def count(pred) -> float:
+        return sum(o["w"] * pred(o) for o in objs)
+
+    def near(got, want) -> float:
+        return max(0.0, 1.0 - abs(got - want))
+
+    want_color: Counter = Counter()
+    want_shape: Counter = Counter()
+    for o in spec.objects:
+        want_color[o.color] += o.count
+        want_shape[o.shape] += o.count
+    vals = [near(count(lambda o, c=c: float(o["color"] == c)), n) for c, n in want_color.items()]
+    vals += [near(count(lambda o, s=s: o["p"][s]), n) for s, n in want_shape.items()]
+    for ob in spec.objects:
+        got = count(lambda o, ob=ob: float(o["color"] == ob.color) * o["p"][ob.shape])
+        vals += [min(1.0, got), near(got, ob.count)]
+    vals.append(near(sum(o["w"] for o in objs), sum(ob.count for ob in spec.objects)))
+    if spec.relation is not None:
+        a, b = spec.objects
+
+        def best(ob):
+            cands = [(o["w"] * o["p"][ob.shape], o) for o in objs if o["color"] == ob.color]
+            return max(cands, key=lambda t: t[0], default=(0.0, None))
+
+        (pa, oa), (pb, ob_) = best(a), best(b)
+        rel = 0.0
+        if oa is not None and ob_ is not None and oa is not ob_:
+            bx_a, bx_b = np.asarray(oa["box"], float), np.asarray(ob_["box"], float)
+            offset = (bx_a[:2] + bx_a[2:]) / 2 - (bx_b[:2] + bx_b[2:]) / 2
+            dims = (bx_a[2:] - bx_a[:2] + 1) + (bx_b[2:] - bx_b[:2] + 1)
+            revised = np.maximum(np.abs(offset) - POSITION_THRESHOLD * dims, 0) * np.sign(offset)
+            norm = float(np.linalg.norm(offset))
+            if norm > 1e-6:
+                dx, dy = revised / norm
+                toward = {"left": -dx, "right": dx, "above": -dy, "below": dy}[spec.relation]
+                rel = min(pa, pb) * _sigmoid((toward - 0.5) / DENSE_RELATION_TEMPERATURE)
+        vals.append(rel)
+    return float(np.mean(vals))
+
+
+def shapes_dense_reward(images, prompts, **columns) -> list[float]:
+    """Dense training reward of the shapes task (:func:`dense_score`), per image in [0, 1]. The benchmark's score
+    stays the detector's strict / partial accuracy; this is the shaped reward a policy gradient can climb.
+    ``images``: float tensor (B, 3, H, W) in [0, 1]; ``prompts``: B strings; extra columns ignored."""
+    imgs = _check_batch(images, prompts)
+    return [dense_score(img, p) for img, p in zip(imgs, prompts)]
+
+
+shapes_dense_reward.__name__ = "shapes_dense"
