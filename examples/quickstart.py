@@ -8,7 +8,8 @@ on the task's single-object and counting prompts ("a red circle", "two blue squa
 partial score as the reward, and writes to ``--output_dir``:
 
 - ``pytorch_lora_weights.safetensors``: the LoRA, loadable with ``pipe.load_lora_weights(output_dir)``;
-- ``before_after.png``: the same prompts and noise before (top rows) and after (bottom rows) training;
+- ``before_after.png``: one row per trained prompt, labelled with the prompt and its detector scores, the image
+  before and after training (same noise);
 - ``scores.json``: strict / partial accuracy before and after, on the trained prompts (8 images each) and on the
   held-out test prompts of the same categories.
 
@@ -64,8 +65,8 @@ def main(argv=None):
               for name in sets}
     with open(os.path.join(args.output_dir, "scores.json"), "w") as f:
         json.dump(scores, f, indent=2)
-    # one image per distinct trained prompt (each prompt appears 8 times in a row)
-    _save_before_after(before["trained_prompts"][::8], after["trained_prompts"][::8], sets["trained_prompts"][1][::8],
+    # one row per distinct trained prompt (first of its 8 images), labelled with the prompt and its scores
+    _save_before_after(before["trained_prompts"], after["trained_prompts"], sets["trained_prompts"][0],
                        os.path.join(args.output_dir, "before_after.png"))
     for name in sets:
         print(f"\n{name}, before training:\n" + shapes.reward.format_evaluation(scores[name]["before"]))
@@ -73,23 +74,32 @@ def main(argv=None):
     print(f"\nwrote {args.output_dir}/pytorch_lora_weights.safetensors, before_after.png, scores.json")
 
 
-def _save_before_after(before, after, categories, path, per_category=10):
-    from diffusers.utils import make_image_grid
-    from PIL import Image
+def _save_before_after(before, after, prompts, path, max_rows=12):
+    """One row per prompt: the prompt and both detector scores, then the image before and after training (same
+    noise). Rows are the first ``max_rows`` distinct prompts."""
+    from PIL import Image, ImageDraw
 
-    picks = []
-    for c in dict.fromkeys(categories):
-        picks += [i for i, cc in enumerate(categories) if cc == c][:per_category]
+    size, text_w, head = 96, 330, 22
+    rows = list(dict.fromkeys(prompts))[:max_rows]
+    sheet = Image.new("RGB", (text_w + 2 * size + 12, head + len(rows) * (size + 4)), (255, 255, 255))
+    draw = ImageDraw.Draw(sheet)
+    draw.text((text_w, 4), "before", fill=(0, 0, 0))
+    draw.text((text_w + size + 8, 4), "after", fill=(0, 0, 0))
 
     def pil(t):
         arr = (t.clamp(0, 1).permute(1, 2, 0).numpy() * 255).round().astype("uint8")
-        return Image.fromarray(arr).resize((96, 96), Image.NEAREST)
+        return Image.fromarray(arr).resize((size, size), Image.NEAREST)
 
-    cols = min(10, len(picks))
-    half_rows = (len(picks) + cols - 1) // cols
-    blank = [Image.new("RGB", (96, 96), (64, 64, 64))] * (half_rows * cols - len(picks))
-    images = [pil(before[i]) for i in picks] + blank + [pil(after[i]) for i in picks] + blank
-    make_image_grid(images, rows=2 * half_rows, cols=cols).save(path)  # top: before, bottom: after
+    for r, prompt in enumerate(rows):
+        i = prompts.index(prompt)
+        y = head + r * (size + 4)
+        sb, sa = shapes.score(before[i], prompt), shapes.score(after[i], prompt)
+        draw.text((6, y + 30), f'"{prompt}"', fill=(0, 0, 0))
+        draw.text((6, y + 48), f"partial {sb['partial']:.2f} -> {sa['partial']:.2f}   "
+                               f"strict {sb['strict']:.0f} -> {sa['strict']:.0f}", fill=(90, 90, 90))
+        sheet.paste(pil(before[i]), (text_w, y))
+        sheet.paste(pil(after[i]), (text_w + size + 8, y))
+    sheet.save(path)
 
 
 if __name__ == "__main__":

@@ -84,3 +84,21 @@ def test_prompt_loaders_read_the_real_prompt_sets():
     assert row["tag"] == "color_attr" and json.loads(row["include"])[0]["class"] == "handbag"
     txt = load_prompts(ocr)
     assert len(txt) > 1000 and all('"' in p for p in txt["prompt"][:20])
+
+
+def test_quickstart_writes_lora_labelled_grid_and_scores(tmp_path):
+    """The README's main job, one iteration: LoRA, the labelled before/after sheet and the scores file."""
+    from PIL import Image
+
+    quickstart = _load("examples/quickstart.py")
+    out = tmp_path / "qs"
+    quickstart.main(["--steps", "1", "--output_dir", str(out)])
+    assert (out / "pytorch_lora_weights.safetensors").stat().st_size > 1000
+    scores = json.loads((out / "scores.json").read_text())
+    for split in ("trained_prompts", "held_out_prompts"):
+        for when in ("before", "after"):
+            o = scores[split][when]["overall"]
+            assert 0 <= o["strict"] <= o["partial"] <= 1
+    sheet = Image.open(out / "before_after.png")
+    n_prompts = len(set(quickstart.shapes.train_prompts().filter(lambda r: r["category"] in ("single", "counting"))["prompt"]))
+    assert sheet.size[1] == 22 + min(12, n_prompts) * 100  # one labelled row per prompt
