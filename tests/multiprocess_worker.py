@@ -33,13 +33,18 @@ def trainer_classes() -> list[type]:
 
 
 def make_trainer(cls, output_dir: str, **overrides):
-    """A 2-iteration run: 2 prompts x 4 generations, microbatches of 4, a checkpoint per iteration."""
+    """A 2-iteration run: 2 prompts x 4 generations, microbatches of 4, a checkpoint per iteration.
+
+    One inner epoch (later epochs shuffle within each process, so their microbatches differ by design) and eval
+    batches of 4 (Stepwise-Flow-GRPO scores intermediate states in such batches: 4 keeps their composition equal
+    on 1 and 2 processes, as a matmul's rounding depends on its batch)."""
     from trl_flow.testing import tiny_sd3_pipeline
 
     kwargs = dict(output_dir=output_dir, max_steps=2, num_generations=4, prompts_per_step=2,
                   per_device_train_batch_size=4, height=32, width=32, max_sequence_length=16, num_inference_steps=4,
                   guidance_scale=1.0, lora_r=4, lora_alpha=8, learning_rate=1e-3, clip_range=5e-2, beta=0.0,
-                  disable_tqdm=True, save_steps=1, off_policy_fraction=0.5)
+                  disable_tqdm=True, save_steps=1, off_policy_fraction=0.5, num_inner_epochs=1,
+                  per_device_eval_batch_size=4)
     kwargs.update(overrides)
     fields = {f.name for f in dataclasses.fields(cls.config_class)}
     config = cls.config_class(**{k: v for k, v in kwargs.items() if k in fields})

@@ -67,24 +67,30 @@ def test_two_processes_match_one(two_process_run, tmp_path, cls):
     one.train()
     for key in ("states", "log_probs", "rewards", "advantages"):  # iteration 0: bit-identical
         assert torch.equal(records[f"0/{key}"], two[f"0/{key}"]), key
-    for key in ("states", "rewards"):  # iteration 1 starts from weights equal to float rounding
-        torch.testing.assert_close(records[f"1/{key}"], two[f"1/{key}"], atol=1e-5, rtol=0)
-    la = mw.lora(one)
-    update = max(float(v.abs().max()) for k, v in la.items() if "lora_B" in k)  # lora_B starts at 0
-    diff = max(float((la[k] - two[f"lora/{k}"]).abs().max()) for k in la)
-    assert update > 5e-4 and diff < 1e-3 * update, (update, diff)
+    # The first update (same samples per optimizer step) agrees to float rounding: the gradient is summed in another
+    # order (2 processes: DDP all-reduce).
+    run_dir = two_process_run / name
+    first = {k: load_file(str(d / "checkpoint-1" / "pytorch_lora_weights.safetensors"))
+             for k, d in (("one", tmp_path / "one"), ("two", run_dir))}
+    update = max(float(v.abs().max()) for k, v in first["one"].items() if "lora_B" in k)  # lora_B starts at 0
+    diff = max(float((first["one"][k] - first["two"][k]).abs().max()) for k in first["one"])
+    assert update > 2e-4 and diff < 1e-3 * update, (update, diff)
 
     # Only the main process wrote the log (one line per iteration) and complete checkpoints.
-    run_dir = two_process_run / name
     steps = [json.loads(line)["step"] for line in (run_dir / "log_history.jsonl").read_text().splitlines()]
     assert steps == [1, 2]
     assert sorted(os.listdir(run_dir / "checkpoint-2")) == sorted(os.listdir(tmp_path / "one" / "checkpoint-2")
                                                                    + ["random_states_1.pkl"])
 
-    # A checkpoint written by 2 processes resumes on 1 and continues the run.
+    # A checkpoint written by 2 processes resumes on 1: iteration 1 is then bit-identical to the 2-process one,
+    # and so is the update to float rounding.
     resumed = mw.make_trainer(cls, str(tmp_path / "resumed"), gradient_accumulation_steps=2)
+    records = mw.record_iterations(resumed)
     resumed.train(resume_from_checkpoint=str(run_dir / "checkpoint-1"))
+    for key in ("states", "log_probs", "rewards", "advantages"):
+        assert torch.equal(records[f"0/{key}"], two[f"1/{key}"]), key
     lr = mw.lora(resumed)
+    update = max(float(v.abs().max()) for k, v in lr.items() if "lora_B" in k)
     assert max(float((lr[k] - two[f"lora/{k}"]).abs().max()) for k in lr) < 1e-3 * update
 
 

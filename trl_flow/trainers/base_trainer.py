@@ -22,7 +22,7 @@ import torch
 
 from ..data import check_prompt_dataset, prompt_indices
 from ..kernels import gaussian_kl, kernel_mean_std, reference_kl, sde_step
-from ..models import get_adapter, index_embeds
+from ..models import cat_embeds, get_adapter, index_embeds
 from ..rewards import RewardError, compute_rewards, validate_reward_funcs
 from ..rewards.scheduling import OverlappedScoring, collect_scores
 from ..rollout import Rollout, sample_trajectories, step_samplers
@@ -212,9 +212,14 @@ class FlowRLTrainer:
 
     @torch.no_grad()
     def encode(self, prompts: list[str], guidance_scale: float):
+        """Prompt embeddings, encoded in chunks of ``per_device_train_batch_size`` (the sampling chunks): a
+        prompt's embedding does not depend on how many prompts this process holds."""
         self._long_prompts.check(prompts)
+        bs = self.config.per_device_train_batch_size
         with self._autocast(), self.offloader.use("text_encoder"), self._long_prompts.silence_pipeline():
-            return self.adapter.encode_prompts(prompts, guidance_scale > 1, self.config.max_sequence_length)
+            return cat_embeds([self.adapter.encode_prompts(prompts[i : i + bs], guidance_scale > 1,
+                                                           self.config.max_sequence_length)
+                               for i in range(0, len(prompts), bs)])
 
     def sample_prompts(self, step: int) -> tuple[list[str], dict[str, list], torch.Tensor]:
         """This iteration's samples on this process: prompts, other columns and global group ids (each of N)."""
