@@ -47,6 +47,33 @@ def test_offload_moves_encoders_and_vae_per_phase_and_changes_nothing(make_train
     assert all(torch.equal(la[n], lb[n]) for n in la)
 
 
+def test_offload_is_shared_by_threads():
+    """reward_num_workers decode from worker threads: the VAE goes back to the CPU only when the last one is done."""
+    import threading
+
+    from trl_flow.memory import Offloader
+
+    vae, moves = torch.nn.Linear(2, 2), []
+    _record_moves(vae, "vae", moves)
+    off = Offloader(SimpleNamespace(components={"vae": vae, "transformer": torch.nn.Linear(2, 2)}), "model", "cpu")
+    inside, release = threading.Barrier(3), threading.Event()
+
+    def decode():
+        with off.use("vae"):
+            inside.wait()
+            release.wait()
+
+    threads = [threading.Thread(target=decode) for _ in range(2)]
+    for t in threads:
+        t.start()
+    inside.wait()  # both threads hold the VAE
+    assert moves == [("vae", "cpu")]  # brought to the device once
+    release.set()
+    for t in threads:
+        t.join()
+    assert moves == [("vae", "cpu"), ("vae", "cpu")]  # and back once, after both
+
+
 def test_decode_and_rewards_are_micro_batched(make_trainer):
     sizes = {"decode": [], "reward": []}
 

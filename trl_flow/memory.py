@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import threading
 
 import torch
 
@@ -70,6 +71,8 @@ class Offloader:
         self.pipe, self.mode, self.device = pipe, mode, torch.device(device)
         self.offloaded = [n for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)
                           and (n.startswith("text_encoder") or n == "vae")] if mode == "model" else []
+        self._users = {n: 0 for n in self.offloaded}  # reward_num_workers decode from several threads at once
+        self._lock = threading.Lock()
 
     def place(self) -> None:
         """Move every module to the device, except the offloaded ones, which go to the CPU."""
@@ -82,12 +85,19 @@ class Offloader:
 
     @contextlib.contextmanager
     def use(self, *prefixes: str):
-        """Bring the offloaded modules whose name starts with one of ``prefixes`` to the device for the block."""
-        modules = [self.pipe.components[n] for n in self.offloaded if n.startswith(prefixes)]
-        for m in modules:
-            m.to(self.device)
+        """Bring the offloaded modules whose name starts with one of ``prefixes`` to the device for the block (they
+        go back to the CPU when the last thread using them leaves)."""
+        names = [n for n in self.offloaded if n.startswith(prefixes)]
+        with self._lock:
+            for n in names:
+                self._users[n] += 1
+                if self._users[n] == 1:
+                    self.pipe.components[n].to(self.device)
         try:
             yield
         finally:
-            for m in modules:
-                m.to("cpu")
+            with self._lock:
+                for n in names:
+                    self._users[n] -= 1
+                    if self._users[n] == 0:
+                        self.pipe.components[n].to("cpu")

@@ -367,6 +367,10 @@ def load_checkpoint(trainer, resume) -> CheckpointInfo:
     trainer.load_extra_state(info.path)
     if any(saved_cfg.get(k) != flat_config(cfg).get(k) for k in OPTIMIZER_FIELDS + ("max_steps",)):
         apply_optimizer_settings(trainer.optimizer, trainer.lr_scheduler, cfg)
+        if saved_cfg.get("max_steps") != cfg.max_steps and cfg.lr_scheduler_type not in ("constant",
+                                                                                          "constant_with_warmup"):
+            notices.append(f"max_steps: {saved_cfg.get('max_steps')} -> {cfg.max_steps} (the {cfg.lr_scheduler_type} "
+                           f"learning-rate schedule now spans {cfg.max_steps} iterations)")
     lines = [f"Resuming from {info.path} (step {info.step}, run {info.run_id})"]
     if notices:
         lines.append("Changed settings, applied from this step on: " + "; ".join(notices))
