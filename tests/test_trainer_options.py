@@ -86,24 +86,27 @@ def test_gradient_checkpointing_gives_the_same_update(make_trainer, tmp_path):
     assert all(torch.allclose(la[n], lb[n], atol=1e-6) for n in la)
 
 
-def test_ctrl_c_saves_a_resumable_checkpoint(make_trainer, tmp_path):
+def test_ctrl_c_saves_the_last_complete_iteration(make_trainer, tmp_path):
+    import signal
+
     calls = {"n": 0}
 
     def interrupting(images, prompts, **kw):
         calls["n"] += 1
-        if calls["n"] == 3:  # 1: the constructor's check, 2: iteration 1, 3: iteration 2
-            raise KeyboardInterrupt
+        if calls["n"] == 3:  # 1: the constructor's check, 2: iteration 1, 3: iteration 2 (mid-iteration)
+            os.kill(os.getpid(), signal.SIGINT)
         return brightness(images, prompts)
 
     out = tmp_path / "int"
     tr = make_trainer(rewards=[interrupting], output_dir=str(out), max_steps=4)
     with pytest.raises(KeyboardInterrupt):
         tr.train()
-    assert os.path.isdir(out / "checkpoint-1")
-    resumed = make_trainer(output_dir=str(out), max_steps=2)
+    assert tr.state.global_step == 2  # iteration 2 was finished, then saved; iteration 3 never started
+    assert sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) == ["checkpoint-2"]
+    resumed = make_trainer(output_dir=str(out), max_steps=3)
     resumed.train(resume_from_checkpoint=True)
-    assert resumed.state.global_step == 2
-    assert [h["step"] for h in resumed.state.log_history] == [1, 2]
+    assert resumed.state.global_step == 3
+    assert [h["step"] for h in resumed.state.log_history] == [1, 2, 3]
 
 
 def test_adamw_8bit_is_selectable():

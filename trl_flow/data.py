@@ -9,15 +9,27 @@ import torch
 
 def check_prompt_dataset(dataset, name: str = "train_dataset"):
     """A ``datasets.Dataset`` with a non-empty string column ``prompt``. A list of strings or a dict of columns is
-    converted. Raises ``ValueError`` naming ``name`` otherwise, before any compute."""
-    from datasets import Dataset
+    converted. Raises ``ValueError`` / ``TypeError`` naming ``name``, the offending row and the fix, before any
+    compute: a ``DatasetDict`` (pick a split), a list holding a non-string, empty or whitespace-only prompts."""
+    from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
 
-    if isinstance(dataset, (list, tuple)) and all(isinstance(p, str) for p in dataset):
+    if isinstance(dataset, (DatasetDict, IterableDatasetDict)):
+        raise TypeError(f"{name}: got a DatasetDict with splits {list(dataset)}; pick one split, e.g. "
+                        f"{name}=dataset[{next(iter(dataset), 'train')!r}]")
+    if isinstance(dataset, IterableDataset):
+        raise TypeError(f"{name}: got a streaming IterableDataset; load it without streaming=True (a prompt set is "
+                        "small) or collect it with Dataset.from_list(list(dataset))")
+    if isinstance(dataset, (list, tuple)):
+        bad = next((i for i, p in enumerate(dataset) if not isinstance(p, str)), None)
+        if bad is not None:
+            raise TypeError(f"{name}: a list of prompts must hold only strings; item {bad} is {dataset[bad]!r} "
+                            f"({type(dataset[bad]).__name__})")
         dataset = Dataset.from_dict({"prompt": list(dataset)})
     elif isinstance(dataset, dict):
         dataset = Dataset.from_dict(dataset)
     if not isinstance(dataset, Dataset):
-        raise TypeError(f"{name}: expected a datasets.Dataset with a `prompt` column, got {type(dataset).__name__}")
+        raise TypeError(f"{name}: expected a datasets.Dataset with a `prompt` column, a list of prompts or a dict of "
+                        f"columns, got {type(dataset).__name__}")
     if "prompt" not in dataset.column_names:
         raise ValueError(
             f"{name}: no `prompt` column (columns: {dataset.column_names}); rename yours with "
@@ -25,9 +37,14 @@ def check_prompt_dataset(dataset, name: str = "train_dataset"):
         )
     if len(dataset) == 0:
         raise ValueError(f"{name}: the dataset is empty")
-    bad = [i for i, p in enumerate(dataset["prompt"]) if not isinstance(p, str)]
+    prompts = dataset["prompt"]
+    bad = [i for i, p in enumerate(prompts) if not isinstance(p, str)]
     if bad:
-        raise ValueError(f"{name}: `prompt` must hold strings; row {bad[0]} is {dataset[bad[0]]['prompt']!r}")
+        raise ValueError(f"{name}: `prompt` must hold strings; row {bad[0]} is {prompts[bad[0]]!r}")
+    empty = [i for i, p in enumerate(prompts) if not p.strip()]
+    if empty:
+        raise ValueError(f"{name}: {len(empty)} empty or whitespace-only prompt(s), first at row {empty[0]} "
+                         f"({prompts[empty[0]]!r}); drop them, e.g. dataset.filter(lambda r: r['prompt'].strip())")
     return dataset
 
 

@@ -105,7 +105,7 @@ def sde_step(
     sigma_next,
     noise_level: float,
     prev_sample: torch.Tensor | None = None,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | list[torch.Generator] | None = None,
     logprob_reduction: str = "mean",
 ):
     """One transition ``x (at sigma) -> x' (at sigma_next)``.
@@ -116,7 +116,8 @@ def sde_step(
         sigma, sigma_next: float, 0-d or (B,) noise levels, ``sigma_next < sigma``.
         noise_level: ``a`` (flow_sde, cps) or ``eta`` (ddim); ignored by ``ode``.
         prev_sample: (B, ...) if given, the transition is scored instead of sampled.
-        generator: a ``torch.Generator`` for the Gaussian noise when sampling.
+        generator: a ``torch.Generator`` for the Gaussian noise when sampling, or a list of B (row i's noise from
+            generator i).
         logprob_reduction: ``"mean"`` (reference implementations) or ``"sum"`` over non-batch dims.
 
     Returns:
@@ -127,8 +128,12 @@ def sde_step(
         if sampler == "ode" or not bool((std > 0).any()):
             prev_sample = mean
         else:
-            device = generator.device if generator is not None else mean.device
-            noise = torch.randn(mean.shape, generator=generator, device=device, dtype=torch.float32)
+            if isinstance(generator, (list, tuple)):
+                noise = torch.stack([torch.randn(mean.shape[1:], generator=g, device=g.device, dtype=torch.float32)
+                                     .to(mean.device) for g in generator])
+            else:
+                device = generator.device if generator is not None else mean.device
+                noise = torch.randn(mean.shape, generator=generator, device=device, dtype=torch.float32)
             prev_sample = mean + std * noise.to(mean.device)
     prev_sample = prev_sample.float()
     log_prob = gaussian_log_prob(prev_sample, mean, std, logprob_reduction)

@@ -90,7 +90,7 @@ def sample_trajectories(
     noise_level: float,
     guidance_scale: float,
     batch_size: int,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | list[torch.Generator] | None = None,
     logprob_reduction: str = "mean",
     start_states: torch.Tensor | None = None,
     start_step: int = 0,
@@ -102,6 +102,8 @@ def sample_trajectories(
 
     Args:
         noise: (N, *L) initial states ``x_0`` (used when ``start_states`` is None).
+        generator: one generator for all samples, or a list of N (sample i's SDE noise from generator i: then
+            a trajectory does not depend on ``batch_size`` or on the other samples).
         step_kinds: K kernel names, one per step (see :func:`step_samplers`).
         start_states: optional (N, *L) states at step ``start_step``: sampling resumes there (used to regenerate
             the tail of a stored trajectory); the returned tensors still cover all K steps, with the steps before
@@ -138,7 +140,8 @@ def sample_trajectories(
             with autocast():
                 v = adapter.velocity(model, x, schedule.timesteps[k], emb, guidance_scale)
             x, lp, mean, std = sde_step(
-                step_kinds[k], x, v, sig[k], sig[k + 1], noise_level, generator=generator,
+                step_kinds[k], x, v, sig[k], sig[k + 1], noise_level,
+                generator=generator[idx] if isinstance(generator, list) else generator,
                 logprob_reduction=logprob_reduction,
             )
             states[idx, k + 1] = x

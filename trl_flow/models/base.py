@@ -97,6 +97,9 @@ class FlowAdapter:
     def encode_prompts(self, prompts: list[str], guidance: bool, max_sequence_length: int) -> PromptEmbeds:
         raise NotImplementedError
 
+    def check_size(self, height: int, width: int) -> None:
+        """Raise ``ValueError`` naming height/width if the model cannot generate at this size (before any compute)."""
+
     def schedule(self, num_inference_steps: int, height: int, width: int) -> Schedule:
         raise NotImplementedError
 

@@ -45,6 +45,17 @@ class SD3Adapter(FlowAdapter):
             out["negative_pooled_prompt_embeds"] = npooled
         return out
 
+    def check_size(self, height, width) -> None:
+        cfg, f = self.transformer.config, self.pipe.vae_scale_factor
+        max_px = cfg.pos_embed_max_size * cfg.patch_size * f if cfg.get("pos_embed_max_size") else None
+        if max_px is not None and max(height, width) > max_px:
+            raise ValueError(
+                f"height={height}, width={width}: this transformer's position embedding covers at most {max_px} x "
+                f"{max_px} pixels (pos_embed_max_size={cfg.pos_embed_max_size} x patch_size={cfg.patch_size} x VAE "
+                f"factor {f}); it was trained at {cfg.sample_size * f} x {cfg.sample_size * f} (sample_size x VAE "
+                f"factor): pass --height/--width <= {max_px}, e.g. {cfg.sample_size * f}"
+            )
+
     def latent_shape(self, height, width):
         f = self.pipe.vae_scale_factor
         return (self.transformer.config.in_channels, height // f, width // f)

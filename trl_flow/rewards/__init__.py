@@ -18,6 +18,7 @@ See docs/rewards.md.
 from .base import RewardModel, clear_model_cache
 from .clip import AestheticReward, CLIPScoreReward, PickScoreReward, aesthetic, clip_score, pickscore
 from .core import (
+    RewardError,
     RewardFunc,
     call_scores,
     compute_rewards,
@@ -62,6 +63,7 @@ __all__ = [
     "PickScoreReward",
     "RemoteReward",
     "RemoteRewardError",
+    "RewardError",
     "RewardFunc",
     "RewardModel",
     "ScoreParser",

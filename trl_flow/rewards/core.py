@@ -4,19 +4,25 @@ A reward is any callable ``reward(images, prompts, **columns) -> list[float | No
 tensor (B, 3, H, W) in [0, 1] (video: (B, F, 3, H, W)), ``prompts`` a list of B strings and ``columns`` the
 prompts' other dataset columns, each a list of B values. ``None`` or NaN means "no score for this sample": that
 reward is skipped for that sample and the weighted sum uses the remaining rewards. A sample with no score at all
-gets no advantage and is not trained on.
+gets no advantage and is not trained on; an infinite score counts as no score (with a warning). Each reward gets
+its own copy of the images and of the column lists: a reward that modifies them in place affects nothing else.
 """
 
 from __future__ import annotations
 
 import io
 import math
+import warnings
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
 RewardFunc = Callable[..., Sequence[float | None]]
+
+
+class RewardError(RuntimeError):
+    """A reward function raised or returned something unusable; the message names it."""
 
 
 def reward_name(func) -> str:
@@ -56,26 +62,30 @@ def validate_reward_funcs(reward_funcs, reward_weights) -> tuple[list[RewardFunc
 
 
 def call_scores(out, n: int, name: str) -> list[float]:
-    """A reward's output as ``n`` floats, NaN for None / NaN / inf; a ``RuntimeError`` naming the reward for a
-    wrong length or a non-number."""
+    """A reward's output as ``n`` floats, NaN for None / NaN / inf (inf with a warning); a :class:`RewardError`
+    naming the reward for a wrong length or a non-number."""
     if isinstance(out, torch.Tensor):
         out = out.detach().float().cpu().reshape(-1).tolist()
     try:
         values = list(out)
     except TypeError:
-        raise RuntimeError(
+        raise RewardError(
             f"reward function {name!r} returned {type(out).__name__}; it must return a list of {n} floats"
         ) from None
     if len(values) != n:
-        raise RuntimeError(
+        raise RewardError(
             f"reward function {name!r} returned {len(values)} values for {n} images; it must return one "
             "float (or None to skip) per image"
         )
     try:
         arr = [float("nan") if v is None else float(v) for v in values]
     except (TypeError, ValueError):
-        raise RuntimeError(f"reward function {name!r} returned a non-numeric value: {values[:4]}...") from None
-    return [v if math.isfinite(v) else float("nan") for v in arr]  # an infinite score is as unusable as none
+        raise RewardError(f"reward function {name!r} returned a non-numeric value: {values[:4]}...") from None
+    n_inf = sum(math.isinf(v) for v in arr)
+    if n_inf:  # an infinite score is as unusable as none
+        warnings.warn(f"reward function {name!r} returned inf for {n_inf} of {n} images: treated as no score for "
+                      "them", RuntimeWarning, stacklevel=3)
+    return [v if math.isfinite(v) else float("nan") for v in arr]
 
 
 def compute_rewards(
@@ -89,15 +99,15 @@ def compute_rewards(
     """Call every reward and combine: ``r = sum_i w_i r_i`` over the rewards that scored the sample.
 
     Returns the combined rewards (B,) float32 (NaN where no reward scored the sample) and each reward (B,).
-    A reward that raises or returns the wrong length raises a ``RuntimeError`` naming it.
+    A reward that raises or returns the wrong length raises a :class:`RewardError` naming it.
     """
     n = len(prompts)
     per_func = {}
     for func, name in zip(reward_funcs, names):
         try:
-            out = func(images, list(prompts), **columns)
+            out = func(images.clone(), list(prompts), **{k: list(v) for k, v in columns.items()})
         except Exception as e:  # re-raise with the reward's name; nothing has been updated yet
-            raise RuntimeError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
+            raise RewardError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
         per_func[name] = torch.tensor(call_scores(out, n, name), dtype=torch.float32)
     stacked = torch.stack([per_func[k] for k in names], dim=1)  # (B, F)
     w = torch.tensor(weights, dtype=torch.float32)

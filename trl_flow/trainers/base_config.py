@@ -12,10 +12,15 @@ from dataclasses import asdict, dataclass, field
 
 from ..advantages import SCALE_REWARDS
 from ..kernels import KL_FORMS, REDUCTIONS, SAMPLERS
+from ..memory import OFFLOAD_MODES
 from ..trust_region import KL_MASK_DELTAS, KL_MASK_MODES, TRUST_REGIONS
 
 
 GUIDANCE_GRADS = ("cond_only", "both")
+
+#: `transformers.get_scheduler` names usable here (stepped once per optimizer step, no extra arguments).
+LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial",
+                 "inverse_sqrt")
 
 
 @dataclass
@@ -38,24 +43,26 @@ class FlowRLConfig:
     adam_epsilon: float = field(default=1e-8, metadata={"help": "AdamW epsilon."})
     weight_decay: float = field(default=1e-4, metadata={"help": "AdamW weight decay."})
     optim: str = field(default="adamw_torch", metadata={"help": "Optimizer: `adamw_torch` or `adamw_8bit` (bitsandbytes)."})
-    lr_scheduler_type: str = field(default="constant", metadata={"help": "A `transformers.get_scheduler` name: constant, linear, cosine, constant_with_warmup, ..."})
+    lr_scheduler_type: str = field(default="constant", metadata={"help": "A `transformers.get_scheduler` name: constant, constant_with_warmup, linear, cosine, cosine_with_restarts, polynomial or inverse_sqrt."})
     warmup_steps: int = field(default=0, metadata={"help": "Warm-up optimizer steps of the LR schedule."})
     max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm (0 disables)."})
     bf16: bool = field(default=False, metadata={"help": "bf16 mixed precision: frozen weights in bf16, trainable LoRA weights and all kernel math in float32."})
     fp16: bool = field(default=False, metadata={"help": "fp16 mixed precision (like bf16, with a gradient scaler)."})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "Enable the transformer's gradient checkpointing to save memory."})
+    offload: str = field(default="none", metadata={"help": "`none`, or `model`: the text encoders and the VAE wait in CPU memory and move to the device only to encode prompts / decode images (saves their device memory during sampling and the update; results unchanged)."})
+    per_device_reward_batch_size: int | None = field(default=None, metadata={"help": "Images per reward call on one device (bounds a reward model's memory); default: all of the process's images of the iteration in one call."})
     # ---- what is trained -----------------------------------------------------------------------------------------
     finetune: str = field(default="lora", metadata={"help": "`lora` (peft adapter on the transformer; the reference policy is the model with adapters disabled) or `full` (all transformer weights; the reference is a frozen copy)."})
     lora_r: int = field(default=32, metadata={"help": "LoRA rank (published: 32)."})
-    lora_alpha: int = field(default=64, metadata={"help": "LoRA alpha (published: 64). Saved in the adapter metadata, so alpha != r round-trips."})
-    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout. Must be 0 for the first-step ratio to be exactly 1."})
+    lora_alpha: int = field(default=64, metadata={"help": "LoRA alpha (published: 64), > 0 (the LoRA update is scaled by alpha / r). Saved in the adapter metadata, so alpha != r round-trips."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout. Must be 0: with dropout the update's first ratio pi_theta / pi_old is not 1 (the rollout ran without it)."})
     lora_target_modules: list[str] | None = field(default=None, metadata={"help": "Modules to adapt; default: the attention projections of the model family (SD3: attn.to_q attn.to_k attn.to_v attn.to_out.0 attn.add_q_proj attn.add_k_proj attn.add_v_proj attn.to_add_out; FLUX: those and ff.net.0.proj ff.net.2 ff_context.net.0.proj ff_context.net.2; Wan: to_q to_k to_v to_out.0)."})
     ema_decay: float = field(default=0.0, metadata={"help": "EMA of the trained weights (diffusers EMAModel) used for evaluation and `save_model`; 0 disables (published: 0.9)."})
     # ---- sampling ----------------------------------------------------------------------------------------------
     sampler: str = field(default="flow_sde", metadata={"help": "Transition kernel of the rollout: `flow_sde` (Flow-GRPO), `cps` (coefficients-preserving), `ddim` (Stepwise-Flow-GRPO) or `ode`."})
     noise_level: float = field(default=0.7, metadata={"help": "Kernel noise: `a` for flow_sde/cps, `eta` for ddim (published flow_sde: 0.7)."})
     num_inference_steps: int = field(default=10, metadata={"help": "Sampling steps of the rollout (published: 10)."})
-    guidance_scale: float = field(default=4.5, metadata={"help": "Classifier-free guidance scale of the rollout and the update; <= 1 means one unguided pass (published: 4.5)."})
+    guidance_scale: float = field(default=4.5, metadata={"help": "Classifier-free guidance scale of the rollout and the update, >= 0; <= 1 means one unguided pass (published: 4.5)."})
     height: int = field(default=512, metadata={"help": "Image height in pixels."})
     width: int = field(default=512, metadata={"help": "Image width in pixels."})
     num_frames: int = field(default=33, metadata={"help": "Frames per video for video pipelines (Wan: 4k + 1; published Wan2.1 recipe: 33 at 240x416). Image pipelines ignore it."})
@@ -75,7 +82,7 @@ class FlowRLConfig:
     reward_weights: list[float] | None = field(default=None, metadata={"help": "One weight per reward function (default: all 1)."})
     scale_rewards: str = field(default="batch", metadata={"help": "Advantage std (the mean is always the group's): `batch` (default; std over the whole gathered batch, the reference SD3 recipes' global_std=True), `group` (std over the group, the paper's formula) or `none`."})
     reward_num_workers: int = field(default=0, metadata={"help": "Threads that decode and score each sampled microbatch while the next one is sampled (scores are the same; each reward call sees one microbatch, from a worker thread). 0: decode and score the whole batch after sampling."})
-    adv_clip_max: float = field(default=5.0, metadata={"help": "Advantages are clipped to +-adv_clip_max."})
+    adv_clip_max: float = field(default=5.0, metadata={"help": "Advantages are clipped to +-adv_clip_max (> 0)."})
     # ---- evaluation, logging, checkpoints -------------------------------------------------------------------
     eval_steps: int = field(default=0, metadata={"help": "Evaluate every this many iterations (and before the first and after the last); 0 disables. Needs an eval_dataset."})
     eval_num_inference_steps: int = field(default=40, metadata={"help": "ODE steps of the evaluation sampler (published: 40)."})
@@ -86,7 +93,8 @@ class FlowRLConfig:
     report_to: list[str] | str = field(default="none", metadata={"help": "Trackers for accelerate: none, all, wandb, tensorboard, or a list."})
     save_steps: int = field(default=0, metadata={"help": "Save a resumable checkpoint (accelerate save_state) every this many iterations; 0 disables."})
     save_total_limit: int | None = field(default=None, metadata={"help": "Keep at most this many checkpoints (oldest deleted)."})
-    resume_from_checkpoint: str | None = field(default=None, metadata={"help": "Checkpoint folder to resume from, or `latest` for the newest in output_dir. Same as train(resume_from_checkpoint=...)."})
+    resume_from_checkpoint: str | None = field(default=None, metadata={"help": "Checkpoint folder to resume from, or `latest` for the newest complete one in output_dir. Same as train(resume_from_checkpoint=...)."})
+    overwrite_output_dir: bool = field(default=False, metadata={"help": "Allow a new (not resumed) run in an output_dir that holds another run's checkpoints (they are kept; only this run's are rotated)."})
     push_to_hub: bool = field(default=False, metadata={"help": "Push the final LoRA to the Hub at the end of train()."})
     hub_model_id: str | None = field(default=None, metadata={"help": "Hub repository (default: the output_dir's name)."})
     hub_private_repo: bool | None = field(default=None, metadata={"help": "Create the Hub repository as private."})
@@ -132,6 +140,19 @@ class FlowRLConfig:
         for name in ("beta", "weight_decay", "max_grad_norm", "adv_clip_max", "lora_dropout"):
             need(math.isfinite(getattr(self, name)) and getattr(self, name) >= 0, name, "must be a finite number >= 0")
         need(isinstance(self.reward_num_workers, int) and self.reward_num_workers >= 0, "reward_num_workers", "must be an integer >= 0 (0: score after sampling)")
+        need(self.adv_clip_max > 0, "adv_clip_max", "must be > 0: 0 clips every advantage to 0 and nothing is trained")
+        need(math.isfinite(self.lora_alpha) and self.lora_alpha > 0, "lora_alpha",
+             "must be > 0: the LoRA update is scaled by lora_alpha / lora_r, so 0 never changes the model")
+        need(self.lora_dropout == 0, "lora_dropout", "must be 0: with dropout the first ratio pi_theta / pi_old of "
+             "the update is not 1 (the rollout was sampled without dropout), which breaks the clipped objective")
+        for name in ("guidance_scale", "eval_guidance_scale"):
+            v = getattr(self, name)
+            need(v is None and name == "eval_guidance_scale" or v is not None and math.isfinite(v) and v >= 0, name,
+                 "must be a finite number >= 0 (<= 1: one unguided pass)")
+        need(self.lr_scheduler_type in LR_SCHEDULERS, "lr_scheduler_type", f"must be one of {LR_SCHEDULERS}")
+        need(self.offload in OFFLOAD_MODES, "offload", f"must be one of {OFFLOAD_MODES}")
+        need(self.per_device_reward_batch_size is None or isinstance(self.per_device_reward_batch_size, int)
+             and self.per_device_reward_batch_size >= 1, "per_device_reward_batch_size", "must be an integer >= 1 or None")
         need(0 <= self.ema_decay < 1, "ema_decay", "must be in [0, 1) (0 disables EMA)")
         need(not (self.bf16 and self.fp16), "bf16", "bf16 and fp16 cannot both be set")
         if self.sde_window_size:

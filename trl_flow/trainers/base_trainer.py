@@ -14,8 +14,6 @@ import hashlib
 import json
 import math
 import os
-import re
-import shutil
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -24,29 +22,14 @@ import torch
 
 from ..data import check_prompt_dataset, prompt_indices
 from ..kernels import gaussian_kl, kernel_mean_std, reference_kl, sde_step
-from ..models import get_adapter, index_embeds
-from ..rewards import compute_rewards, validate_reward_funcs
+from ..models import cat_embeds, get_adapter, index_embeds
+from ..rewards import RewardError, compute_rewards, validate_reward_funcs
 from ..rewards.scheduling import OverlappedScoring, collect_scores
 from ..rollout import Rollout, sample_trajectories, step_samplers
-from . import tracking
+from .. import memory
+from . import checkpoints, guards, tracking
 from .base_config import FlowRLConfig
-
-LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
-
-
-class TrainerState:
-    """What a checkpoint needs besides weights and optimizer: the iteration counter and the log history."""
-
-    def __init__(self):
-        self.global_step = 0
-        self.log_history: list[dict] = []
-
-    def state_dict(self):
-        return {"global_step": self.global_step, "log_history": self.log_history}
-
-    def load_state_dict(self, sd):
-        self.global_step = int(sd["global_step"])
-        self.log_history = list(sd["log_history"])
+from .checkpoints import LORA_WEIGHT_NAME, TrainerState  # noqa: F401  (re-exported)
 
 
 @dataclass
@@ -87,29 +70,34 @@ class FlowRLTrainer:
         self.adapter = get_adapter(pipe)  # a pipeline, or an adapter built with options (e.g. FluxAdapter(pipe, ...))
         self.adapter.configure(config)
         self.pipe = self.adapter.pipe
+        guards.check_no_adapter(self.pipe.transformer)
         factor = self.adapter.resolution_multiple
         if config.height % factor or config.width % factor:
             raise ValueError(
                 f"height={config.height}, width={config.width}: must be multiples of {factor} "
                 "(VAE scale factor x transformer patch size) for this pipeline"
             )
+        self.adapter.check_size(config.height, config.width)
         mp = "bf16" if config.bf16 else "fp16" if config.fp16 else "no"
         self.accelerator = Accelerator(
             mixed_precision=mp, log_with=config.report_to or None, project_dir=config.output_dir
         )
-        if config.train_batch_size % self.accelerator.num_processes:
-            raise ValueError(
-                f"prompts_per_step * num_generations = {config.train_batch_size} must be divisible by the number "
-                f"of processes ({self.accelerator.num_processes})"
-            )
+        guards.check_launch(self.accelerator)
+        guards.check_batch(config, self.accelerator.num_processes)
         if config.push_to_hub:  # fail now, not after training, when the Hub cannot be reached
             from ..hub import check_hub_access
 
             check_hub_access(self.accelerator)
         self.state = TrainerState()
         self._check_rewards()
-        self._setup_model()
+        try:
+            self._setup_model()
+        except BaseException:
+            guards.remove_adapter(self.pipe.transformer)  # the pipeline stays usable for another trainer
+            raise
         self._nonfinite_skipped = 0
+        self._long_prompts = guards.LongPromptWarning(self.pipe, config.max_sequence_length)
+        self._no_reward = guards.NoRewardMonitor()
 
     @property
     def device(self) -> torch.device:
@@ -131,12 +119,15 @@ class FlowRLTrainer:
         cfg, acc = self.config, self.accelerator
         pipe = self.pipe
         self.weight_dtype = torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else torch.float32
-        pipe.to(acc.device)
+        memory.check_quantized(pipe, cfg, acc.device)
+        self.offloader = memory.Offloader(pipe, cfg.offload, acc.device)
+        self.offloader.place()  # = pipe.to(device), except the offloaded modules, which wait on the CPU
         for name, module in pipe.components.items():
             if isinstance(module, torch.nn.Module):
                 module.requires_grad_(False)
                 module.eval()
-                if (name != "transformer" or cfg.finetune == "lora") and self.weight_dtype != torch.float32:
+                if ((name != "transformer" or cfg.finetune == "lora") and self.weight_dtype != torch.float32
+                        and not memory.is_quantized(module)):  # a quantised module keeps its storage dtype
                     module.to(dtype=self.weight_dtype)
         transformer = pipe.transformer
         self.ref_model = None
@@ -179,17 +170,14 @@ class FlowRLTrainer:
             cfg.lr_scheduler_type, optimizer, num_warmup_steps=cfg.warmup_steps,
             num_training_steps=cfg.max_steps * self.optimizer_steps_per_iteration,
         )
-        # The LR scheduler is not prepared (accelerate would step it once per process); it is checkpointed instead.
+        # The LR scheduler is not prepared (accelerate would step it once per process); checkpoints.py saves it.
         self.model, self.optimizer = acc.prepare(transformer, optimizer)
-        acc.register_for_checkpointing(self.lr_scheduler)
-        acc.register_for_checkpointing(self.state)
         self.ema = None
         if cfg.ema_decay > 0:
             from diffusers.training_utils import EMAModel
 
             self.ema = EMAModel(self.trainable_params, decay=cfg.ema_decay)
             self.ema.to(acc.device)
-            acc.register_for_checkpointing(self.ema)
         if cfg.finetune == "lora":
             acc.register_save_state_pre_hook(self._save_lora_hook)
             acc.register_load_state_pre_hook(self._load_lora_hook)
@@ -224,8 +212,14 @@ class FlowRLTrainer:
 
     @torch.no_grad()
     def encode(self, prompts: list[str], guidance_scale: float):
-        with self._autocast():
-            return self.adapter.encode_prompts(prompts, guidance_scale > 1, self.config.max_sequence_length)
+        """Prompt embeddings, encoded in chunks of ``per_device_train_batch_size`` (the sampling chunks): a
+        prompt's embedding does not depend on how many prompts this process holds."""
+        self._long_prompts.check(prompts)
+        bs = self.config.per_device_train_batch_size
+        with self._autocast(), self.offloader.use("text_encoder"), self._long_prompts.silence_pipeline():
+            return cat_embeds([self.adapter.encode_prompts(prompts[i : i + bs], guidance_scale > 1,
+                                                           self.config.max_sequence_length)
+                               for i in range(0, len(prompts), bs)])
 
     def sample_prompts(self, step: int) -> tuple[list[str], dict[str, list], torch.Tensor]:
         """This iteration's samples on this process: prompts, other columns and global group ids (each of N)."""
@@ -240,12 +234,13 @@ class FlowRLTrainer:
         return prompts, columns, g_local
 
     def sample(self, prompts, columns, group_ids, step, noise=None, start_states=None, start_step=0,
-               generator_purpose: str = "sde") -> Rollout:
+               generator_purpose: str = "sde", sample_ids=None) -> Rollout:
         """Sample one trajectory per entry of ``prompts`` with the configured kernel and store it.
 
         ``noise``: (N, *L) initial states (default: :meth:`initial_noise`). ``start_states`` (N, *L) at
         ``start_step``: continue stored trajectories from there instead (the earlier states/log-probs of the
-        returned rollout are zeros, for the caller to fill)."""
+        returned rollout are zeros, for the caller to fill). ``sample_ids`` (N,): the samples' indices in the
+        iteration over all processes (default: this process's slice), which seed their SDE noise."""
         cfg = self.config
         K = cfg.num_inference_steps
         embeds = self.encode(prompts, cfg.guidance_scale)
@@ -259,7 +254,7 @@ class FlowRLTrainer:
         traj = sample_trajectories(
             self.adapter, self.model, embeds, None if noise is None else noise.to(self.device), schedule, kinds,
             cfg.noise_level, cfg.guidance_scale, cfg.per_device_train_batch_size,
-            generator=self._generator(step, generator_purpose, per_process=True, device=self.device),
+            generator=self.sample_generators(step, generator_purpose, sample_ids, len(prompts)),
             logprob_reduction=cfg.logprob_reduction,
             start_states=None if start_states is None else start_states.to(self.device), start_step=start_step,
             autocast=self._autocast, keep_velocities=self.keep_velocities,
@@ -275,6 +270,16 @@ class FlowRLTrainer:
         if scoring is not None:  # decoded and scored in the background; score() collects it
             rollout.extras["pending_scores"] = [scoring]
         return rollout
+
+    def sample_generators(self, step: int, purpose: str, sample_ids=None, n: int | None = None):
+        """One generator per sample for its SDE noise, seeded by (seed, step, purpose, global sample index): a
+        trajectory depends neither on the number of processes nor on the batch it is sampled in."""
+        if sample_ids is None:  # this process's slice of the iteration's samples
+            sample_ids = torch.arange(n) + self.accelerator.process_index * n
+        ids = [int(i) for i in sample_ids]
+        if n is not None and len(ids) != n:
+            raise ValueError(f"sample_ids: {len(ids)} ids for {n} samples")
+        return [self._generator(step, f"{purpose}/{i}", device=self.device) for i in ids]
 
     def initial_noise(self, step: int) -> torch.Tensor:
         """This process's initial noise (N, *L); identical across process counts (drawn globally, then sliced)."""
@@ -295,7 +300,7 @@ class FlowRLTrainer:
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, batch_size: int | None = None) -> torch.Tensor:
         bs = batch_size or self.config.per_device_train_batch_size
-        with self._autocast():
+        with self._autocast(), self.offloader.use("vae"):
             return torch.cat([self.adapter.decode(latents[i : i + bs]) for i in range(0, len(latents), bs)])
 
     def score(self, rollout: Rollout) -> None:
@@ -316,7 +321,15 @@ class FlowRLTrainer:
         rollout.train_mask &= ~nan[:, None]
 
     def reward(self, images, prompts, columns):
-        return compute_rewards(self.reward_funcs, self.reward_names, self.reward_weights, images, prompts, columns)
+        """Every reward on ``images`` (B, 3, H, W), in calls of ``per_device_reward_batch_size`` images (default:
+        all). Returns the combined (B,) rewards and each reward's (B,)."""
+        bs = self.config.per_device_reward_batch_size or len(prompts)
+        parts = [compute_rewards(self.reward_funcs, self.reward_names, self.reward_weights, images[lo : lo + bs],
+                                 prompts[lo : lo + bs], {k: v[lo : lo + bs] for k, v in columns.items()})
+                 for lo in range(0, len(prompts), max(bs, 1))]
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([p[0] for p in parts]), {k: torch.cat([p[1][k] for p in parts]) for k in self.reward_names}
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
         """Concatenate a per-process tensor over processes (in process order), on CPU."""
@@ -486,8 +499,12 @@ class FlowRLTrainer:
         resume = resume_from_checkpoint if resume_from_checkpoint is not None else cfg.resume_from_checkpoint
         if resume:
             self.load_checkpoint(resume)
+        else:
+            checkpoints.check_output_dir(cfg.output_dir, self.state.run_id, cfg.overwrite_output_dir)
         if acc.is_main_process:
             os.makedirs(cfg.output_dir, exist_ok=True)
+            checkpoints.clean_leftovers(cfg.output_dir)
+            self._rewrite_log_file()
         if cfg.report_to:
             acc.init_trackers(cfg.run_name or self._method_name, config=_flat_config(cfg))
         start = self.state.global_step
@@ -496,30 +513,54 @@ class FlowRLTrainer:
         if cfg.eval_steps and start == 0:
             self.log(self.evaluate(), 0)
         step = start
+        # SIGINT / SIGTERM are deferred to the end of the iteration, which is then saved: a checkpoint never holds
+        # part of an iteration. Anything raised mid-iteration (a failing reward, a second Ctrl-C) saves nothing.
+        guard = checkpoints.InterruptGuard(acc.print)
         try:
-            for step in range(start, cfg.max_steps):
-                metrics = self.training_iteration(step)
-                self.state.global_step = step + 1
-                bar.update(1)
-                bar.set_postfix(reward=f"{metrics.get('reward', float('nan')):.4g}")
-                if (step + 1) % cfg.logging_steps == 0 or step + 1 == cfg.max_steps:
-                    self.log(metrics, step + 1)
-                if cfg.eval_steps and ((step + 1) % cfg.eval_steps == 0 or step + 1 == cfg.max_steps):
-                    self.log(self.evaluate(), step + 1)
-                if cfg.save_steps and ((step + 1) % cfg.save_steps == 0):
-                    self.save_checkpoint()
-        except KeyboardInterrupt:
-            # Nothing is lost: the weights, optimizer, EMA and extra state as they are now are saved and resumable.
-            self.save_checkpoint()
+            with guard:
+                for step in range(start, cfg.max_steps):
+                    try:
+                        metrics = self.training_iteration(step)
+                    except RewardError as e:
+                        raise RewardError(f"iteration {step + 1}: {e}; {self._kept_checkpoint_note()}") from e
+                    except KeyboardInterrupt:
+                        acc.print(f"Interrupted during iteration {step + 1}: its partial update is discarded; "
+                                  f"{self._kept_checkpoint_note()}")
+                        raise
+                    self.state.global_step = step + 1
+                    self._no_reward.update(metrics, step)
+                    bar.update(1)
+                    bar.set_postfix(reward=f"{metrics.get('reward', float('nan')):.4g}")
+                    if (step + 1) % cfg.logging_steps == 0 or step + 1 == cfg.max_steps:
+                        self.log(metrics, step + 1)
+                    if cfg.eval_steps and ((step + 1) % cfg.eval_steps == 0 or step + 1 == cfg.max_steps):
+                        self.log(self.evaluate(), step + 1)
+                    if cfg.save_steps and ((step + 1) % cfg.save_steps == 0):
+                        self.save_checkpoint()
+                    signum = guard.stop_requested(acc)
+                    if signum:
+                        acc.print(f"Saved {self.save_checkpoint()} after iteration {step + 1}; stopping.")
+                        raise guard.exception(signum)
+        finally:
             bar.close()
-            raise
-        bar.close()
         self.model.eval()
         if cfg.push_to_hub:
             self.push_to_hub()
         if cfg.report_to:
             acc.end_training()
         return self.state
+
+    def _kept_checkpoint_note(self) -> str:
+        complete, _ = checkpoints.find_checkpoints(self.config.output_dir)
+        return (f"the newest complete checkpoint is {complete[-1].path}" if complete
+                else "no checkpoint was saved yet")
+
+    def _rewrite_log_file(self) -> None:
+        """log_history.jsonl = the restored history (no duplicate steps after a resume, no other run's lines)."""
+        path = os.path.join(self.config.output_dir, "log_history.jsonl")
+        with open(path, "w") as f:
+            for entry in self.state.log_history:
+                f.write(json.dumps(entry) + "\n")
 
     def training_iteration(self, step: int) -> dict[str, float]:
         """One iteration: rollout (with rewards), advantages, update. Returns its metrics."""
@@ -676,50 +717,22 @@ class FlowRLTrainer:
 
     # ---------------------------------------------------------------------------------------- checkpoints
     def _save_lora_hook(self, models, weights, output_dir):
-        from peft.utils import get_peft_model_state_dict
-        from safetensors.torch import save_file
-
         if self.accelerator.is_main_process:
-            sd = get_peft_model_state_dict(self.accelerator.unwrap_model(models[0]))
-            save_file({k: v.detach().contiguous().cpu() for k, v in sd.items()},
-                      os.path.join(output_dir, "adapter_state.safetensors"))
+            checkpoints.write_lora(self, output_dir)
         weights.clear()  # only the adapter is saved, not the frozen base weights
 
     def _load_lora_hook(self, models, input_dir):
-        from peft.utils import set_peft_model_state_dict
-        from safetensors.torch import load_file
-
-        model = models.pop()
-        sd = load_file(os.path.join(input_dir, "adapter_state.safetensors"))
-        result = set_peft_model_state_dict(self.accelerator.unwrap_model(model), sd)
-        if getattr(result, "unexpected_keys", None):
-            raise RuntimeError(f"checkpoint {input_dir}: unexpected adapter keys {result.unexpected_keys[:4]}")
+        models.pop()
+        checkpoints.read_lora(self, input_dir)
 
     def save_checkpoint(self) -> str:
-        """accelerate ``save_state`` into ``output_dir/checkpoint-<step>`` (rotated by ``save_total_limit``)."""
-        cfg = self.config
-        path = os.path.join(cfg.output_dir, f"checkpoint-{self.state.global_step}")
-        self.accelerator.save_state(path)
-        if self.accelerator.is_main_process:
-            self.save_extra_state(path)
-            with open(os.path.join(path, "trainer_config.json"), "w") as f:
-                json.dump(_flat_config(cfg), f, indent=2)
-            if cfg.save_total_limit:
-                for old in _sorted_checkpoints(cfg.output_dir)[: -cfg.save_total_limit]:
-                    shutil.rmtree(old, ignore_errors=True)
-        self.accelerator.wait_for_everyone()
-        return path
+        """Write ``output_dir/checkpoint-<step>`` kill-safely (see :mod:`~trl_flow.trainers.checkpoints`);
+        rotated by ``save_total_limit`` among this run's checkpoints."""
+        return checkpoints.save_checkpoint(self)
 
     def load_checkpoint(self, path: str | bool) -> None:
-        if path is True or path == "latest":
-            found = _sorted_checkpoints(self.config.output_dir)
-            if not found:
-                raise ValueError(f"resume_from_checkpoint: no checkpoint-* folder in {self.config.output_dir}")
-            path = found[-1]
-        if not os.path.isdir(path):
-            raise ValueError(f"resume_from_checkpoint: {path} is not a folder")
-        self.accelerator.load_state(path)
-        self.load_extra_state(path)
+        """Resume from a checkpoint folder, or True / "latest" for the newest complete one in ``output_dir``."""
+        checkpoints.load_checkpoint(self, path)
 
     def save_extra_state(self, path: str) -> None:
         """Method-specific state to save with a checkpoint (OP-GRPO: the replay buffer)."""
@@ -764,19 +777,7 @@ class FlowRLTrainer:
     paper = ""
 
 
-def _sorted_checkpoints(output_dir: str) -> list[str]:
-    if not os.path.isdir(output_dir):
-        return []
-    found = []
-    for name in os.listdir(output_dir):
-        m = re.fullmatch(r"checkpoint-(\d+)", name)
-        if m and os.path.isdir(os.path.join(output_dir, name)):
-            found.append((int(m.group(1)), os.path.join(output_dir, name)))
-    return [p for _, p in sorted(found)]
-
-
-def _flat_config(cfg) -> dict:
-    return {k: (v if isinstance(v, (int, float, str, bool)) or v is None else str(v)) for k, v in cfg.to_dict().items()}
+_flat_config = checkpoints.flat_config
 
 
 def _nanmean(t: torch.Tensor) -> float:

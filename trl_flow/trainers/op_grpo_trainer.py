@@ -81,14 +81,19 @@ class OPGRPOTrainer(FlowGRPOTrainer):
         sl = self._local_slice(len(plan))
         local = plan[sl]
         noise = self.global_noise(step, torch.tensor([g for g, _ in plan]))[sl]  # replay slots' rows unused
+        # The plan lists every fresh slot before every replay slot, so each process's slice is its fresh slots
+        # then its replay slots: the rollout keeps plan order and gathers to the same batch on any process count.
         fresh_idx = [i for i, (_, r) in enumerate(local) if not r]
+        replay_idx = [i for i, (_, r) in enumerate(local) if r]
         fresh = [local[i] for i in fresh_idx]
-        replay = [(g, r) for g, r in local if r]
+        replay = [local[i] for i in replay_idx]
         parts = []
         if fresh:
-            parts.append(self._sample_groups(fresh, step, noise=noise[fresh_idx]))
+            parts.append(self._sample_groups(fresh, step, noise=noise[fresh_idx],
+                                             sample_ids=[sl.start + i for i in fresh_idx]))
         if replay:
-            parts.append(self._replay_tails([entries[g - n_fresh_groups] for g, _ in replay], replay, step))
+            parts.append(self._replay_tails([entries[g - n_fresh_groups] for g, _ in replay], replay, step,
+                                            sample_ids=[sl.start + i for i in replay_idx]))
         rollout = concat_rollouts(parts)
         rollout.extras["is_replay"] = torch.tensor([r for _, r in fresh + replay], device=self.device)
         self.score(rollout)
@@ -107,7 +112,7 @@ class OPGRPOTrainer(FlowGRPOTrainer):
         columns = {c: [self._groups[g][1].get(c) for g, _ in slots] for c in cols}
         return self.sample(prompts, columns, torch.tensor([g for g, _ in slots]), step, **kwargs)
 
-    def _replay_tails(self, entries, slots, step):
+    def _replay_tails(self, entries, slots, step, sample_ids=None):
         """Reuse x_0..x_{k_off} and the behaviour log-probs of buffered trajectories; regenerate the tail."""
         cfg = self.config
         k_off = cfg.truncation_step
@@ -125,7 +130,7 @@ class OPGRPOTrainer(FlowGRPOTrainer):
                                  "(num_inference_steps or the scheduler's shift changed); start a new buffer")
         states = torch.stack([e.states for e in entries]).to(self.device)
         part = self._sample_groups(slots, step, start_states=states[:, k_off], start_step=k_off,
-                                   generator_purpose="sde_tail")
+                                   generator_purpose="sde_tail", sample_ids=sample_ids)
         part.states[:, : k_off + 1] = states
         part.log_probs[:, :k_off] = torch.stack([e.log_probs for e in entries]).to(self.device)
         return part
@@ -201,7 +206,8 @@ class OPGRPOTrainer(FlowGRPOTrainer):
         fresh_trained = rollout.train_mask & ~rollout.extras["is_replay"][:, None]
         dev = (old - behaviour).abs()[fresh_trained]
         m["fresh_logp_recompute_dev"] = float(self.gather(dev.max().reshape(1) if dev.numel() else torch.zeros(1)).max())
-        w_off = self.gather(w[rollout.extras["is_replay"]])
+        # Gather fixed-size tensors and select after: the replayed samples are not spread evenly over processes.
+        w_off = self.gather(w)[self.gather(rollout.extras["is_replay"])]
         if len(w_off):
             m["is_weight/mean"] = float(w_off.mean())
             m["is_weight/max"] = float(w_off.max())
@@ -224,4 +230,6 @@ class OPGRPOTrainer(FlowGRPOTrainer):
         self.replay_buffer.save_to_disk(os.path.join(path, BUFFER_DIR))
 
     def load_extra_state(self, path):
-        self.replay_buffer = ReplayBuffer.load_from_disk(os.path.join(path, BUFFER_DIR))
+        cfg = self.config  # the current buffer settings apply (a change is reported on resume)
+        self.replay_buffer = ReplayBuffer.load_from_disk(os.path.join(path, BUFFER_DIR), capacity=cfg.buffer_capacity,
+                                                         decay=cfg.buffer_decay, sampling=cfg.buffer_sampling)

@@ -1,0 +1,479 @@
+"""Checkpoints: kill-safe saving, discovery, rotation, resume with a config comparison, and deferred interrupts.
+
+Layout of ``output_dir/checkpoint-<step>`` (a folder appears under this name only once it is complete)::
+
+    pytorch_lora_weights.safetensors   LoRA in diffusers format: pipe.load_lora_weights(<checkpoint>) works
+    model.safetensors                  full fine-tuning only (accelerate save_state)
+    optimizer.bin, random_states_<rank>.pkl, scaler.pt   accelerate save_state (read back with weights_only=True)
+    scheduler.json, trainer_state.json, trainer_config.json, ema.safetensors + ema.json
+    replay_buffer/ ...                 method-specific state (save_extra_state), e.g. OP-GRPO's buffer
+    checkpoint_complete.json           written last: run id, step, method, time and the size + sha256 of every file
+
+Saving writes into ``checkpoint-<step>.tmp`` and renames it when every file (and the marker, last) is on disk, so a
+kill at any moment leaves either the previous checkpoints untouched plus a ``.tmp`` folder, or the new complete one.
+Resume picks the newest complete checkpoint (by the marker's time), warns about and skips incomplete ones, verifies
+every file against the marker (an error names a missing or corrupted file), and compares the saved config with the
+current one (:func:`compare_configs`). Rotation (``save_total_limit``) deletes only complete checkpoints of the
+current run (the run id is stored in the marker), oldest first.
+
+Nothing here unpickles arbitrary objects: weights and EMA are safetensors, scheduler/trainer state and config JSON;
+accelerate's optimizer, RNG and grad-scaler files are read with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import threading
+import time
+import uuid
+import warnings
+
+import torch
+
+LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+COMPLETE_NAME = "checkpoint_complete.json"
+STATE_NAME = "trainer_state.json"
+CONFIG_NAME = "trainer_config.json"
+SCHEDULER_NAME = "scheduler.json"
+EMA_WEIGHTS_NAME = "ema.safetensors"
+EMA_STATE_NAME = "ema.json"
+TMP_SUFFIX = ".tmp"
+TRASH_SUFFIX = ".deleting"
+_FORMAT = "trl_flow.checkpoint"
+
+#: Changing one of these on resume is refused: the checkpoint's weights, optimizer or stored trajectories would
+#: mean something else (another adapter shape, another policy family, another group structure).
+REFUSED_CHANGES = (
+    "finetune", "lora_r", "lora_alpha", "lora_target_modules", "lora_dropout", "optim", "num_generations",
+    "sampler", "noise_level", "logprob_reduction", "truncation_step",
+)
+#: Changing one of these on resume does not change what is trained: accepted silently.
+HARMLESS_CHANGES = (
+    "output_dir", "overwrite_output_dir", "run_name", "max_steps", "logging_steps", "log_images_steps", "report_to",
+    "save_steps", "save_total_limit", "resume_from_checkpoint", "push_to_hub", "hub_model_id", "hub_private_repo",
+    "disable_tqdm", "eval_steps", "eval_num_inference_steps", "eval_guidance_scale", "per_device_eval_batch_size",
+    "gradient_checkpointing", "offload", "per_device_reward_batch_size",
+)
+#: Optimizer settings that a resume applies explicitly to the restored optimizer and schedule.
+OPTIMIZER_FIELDS = ("learning_rate", "adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay", "lr_scheduler_type",
+                    "warmup_steps")
+
+
+class TrainerState:
+    """What a checkpoint needs besides weights and optimizer: the iteration counter, the log history and the id
+    of the run (a new run gets a fresh id; a resumed run keeps the id of its checkpoint)."""
+
+    def __init__(self):
+        self.global_step = 0
+        self.log_history: list[dict] = []
+        self.run_id = uuid.uuid4().hex[:12]
+
+    def state_dict(self):
+        return {"global_step": self.global_step, "log_history": self.log_history, "run_id": self.run_id}
+
+    def load_state_dict(self, sd):
+        self.global_step = int(sd["global_step"])
+        self.log_history = list(sd["log_history"])
+        self.run_id = str(sd.get("run_id", self.run_id))
+
+
+@dataclasses.dataclass
+class CheckpointInfo:
+    """A complete checkpoint folder, as described by its completion marker."""
+
+    path: str
+    step: int
+    run_id: str
+    method: str
+    time: float
+    files: dict
+
+
+def flat_config(cfg) -> dict:
+    """The config as JSON-able scalars (lists and other values as their ``str``), as saved in trainer_config.json."""
+    return {k: (v if isinstance(v, (int, float, str, bool)) or v is None else str(v)) for k, v in cfg.to_dict().items()}
+
+
+# --------------------------------------------------------------------------------------------------- discovery
+def _step_of(name: str) -> int | None:
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    m = re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)", name)
+    return int(m.group(1)) if m else None
+
+
+def read_marker(path: str) -> CheckpointInfo | None:
+    """The completion marker of a checkpoint folder, or None if it has none (or an unreadable one)."""
+    try:
+        with open(os.path.join(path, COMPLETE_NAME), encoding="utf-8") as f:
+            m = json.load(f)
+        if m.get("format") != _FORMAT:
+            return None
+        return CheckpointInfo(path=path, step=int(m["step"]), run_id=str(m["run_id"]), method=str(m["method"]),
+                              time=float(m["time"]), files=dict(m["files"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def find_checkpoints(output_dir: str) -> tuple[list[CheckpointInfo], list[str]]:
+    """Complete checkpoints of ``output_dir`` oldest first (by save time, then step), and the incomplete ones
+    (``checkpoint-<n>`` folders without a valid marker, and ``.tmp`` folders of interrupted saves)."""
+    complete, incomplete = [], []
+    if not os.path.isdir(output_dir):
+        return complete, incomplete
+    for name in sorted(os.listdir(output_dir)):
+        path = os.path.join(output_dir, name)
+        if not os.path.isdir(path):
+            continue
+        if name.endswith(TMP_SUFFIX) and _step_of(name[: -len(TMP_SUFFIX)]) is not None:
+            incomplete.append(path)
+        elif _step_of(name) is not None:
+            info = read_marker(path)
+            (complete.append(info) if info is not None else incomplete.append(path))
+    complete.sort(key=lambda c: (c.time, c.step))
+    return complete, incomplete
+
+
+def resolve_resume(resume, output_dir: str, print_fn=print) -> CheckpointInfo:
+    """The checkpoint to resume from: ``True`` / ``"latest"`` = the newest complete one in ``output_dir``
+    (incomplete ones are skipped with a warning), or an explicit folder, which must be complete."""
+    if resume is True or resume == "latest":
+        complete, incomplete = find_checkpoints(output_dir)
+        for path in incomplete:
+            warnings.warn(f"resume_from_checkpoint: skipping incomplete checkpoint {path} (no {COMPLETE_NAME}: its "
+                          "save was interrupted)", RuntimeWarning, stacklevel=3)
+        if not complete:
+            raise ValueError(f"resume_from_checkpoint: no complete checkpoint-* folder in {output_dir}"
+                             + (f" (incomplete: {[os.path.basename(p) for p in incomplete]})" if incomplete else ""))
+        return complete[-1]
+    path = str(resume)
+    if not os.path.isdir(path):
+        raise ValueError(f"resume_from_checkpoint: {path} is not a folder")
+    info = read_marker(path)
+    if info is None:
+        complete, _ = find_checkpoints(os.path.dirname(os.path.abspath(path)))
+        hint = f"; the newest complete one next to it is {complete[-1].path}" if complete else ""
+        raise ValueError(f"resume_from_checkpoint: {path} is not a complete trl_flow checkpoint (no valid "
+                         f"{COMPLETE_NAME}: its save was interrupted, or trl_flow did not write it){hint}")
+    return info
+
+
+def verify_files(info: CheckpointInfo) -> None:
+    """Every file listed in the marker exists with its recorded size and sha256; raises naming the file."""
+    for rel, meta in info.files.items():
+        path = os.path.join(info.path, rel)
+        if not os.path.isfile(path):
+            raise ValueError(f"checkpoint {info.path}: file {rel} is missing; resume from another checkpoint")
+        if os.path.getsize(path) != meta["size"] or _sha256(path) != meta["sha256"]:
+            raise ValueError(f"checkpoint {info.path}: file {rel} is corrupted (its size or sha256 differs from "
+                             f"{COMPLETE_NAME}); resume from another checkpoint")
+
+
+def check_output_dir(output_dir: str, run_id: str, overwrite: bool) -> None:
+    """A new run must not write into a folder holding another run's checkpoints, unless ``overwrite``."""
+    complete, incomplete = find_checkpoints(output_dir)
+    others = [os.path.basename(c.path) for c in complete if c.run_id != run_id]
+    others += [os.path.basename(p) for p in incomplete if not p.endswith(TMP_SUFFIX)]
+    if others and not overwrite:
+        raise ValueError(
+            f"output_dir={output_dir!r} already holds checkpoints of another run ({', '.join(sorted(others))}); "
+            "pass resume_from_checkpoint=True to continue that run, overwrite_output_dir=True to train a new run "
+            "there anyway (its checkpoints are kept until replaced; only this run's are rotated), or another output_dir"
+        )
+
+
+def clean_leftovers(output_dir: str) -> None:
+    """Delete the ``.tmp`` folders of interrupted saves and half-deleted rotated checkpoints (main process)."""
+    if not os.path.isdir(output_dir):
+        return
+    for name in os.listdir(output_dir):
+        stem = name[: -len(TMP_SUFFIX)] if name.endswith(TMP_SUFFIX) else (
+            name[: -len(TRASH_SUFFIX)] if name.endswith(TRASH_SUFFIX) else None)
+        if stem is not None and _step_of(stem) is not None:
+            shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
+
+
+def rotate(output_dir: str, run_id: str, limit: int | None) -> list[str]:
+    """Keep the ``limit`` newest complete checkpoints of run ``run_id``; delete its older ones (rename first, so
+    an interrupted deletion never leaves a checkpoint-<n> folder that looks complete). Returns the deleted paths."""
+    if not limit:
+        return []
+    mine = [c for c in find_checkpoints(output_dir)[0] if c.run_id == run_id]
+    deleted = []
+    for c in mine[: max(0, len(mine) - limit)]:
+        trash = c.path + TRASH_SUFFIX
+        shutil.rmtree(trash, ignore_errors=True)
+        os.replace(c.path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+        deleted.append(c.path)
+    return deleted
+
+
+# ------------------------------------------------------------------------------------------------ save / load
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _write_json(path: str, obj) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1)
+
+
+def _read_json(path: str):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"checkpoint file {path} cannot be read: {e}") from None
+
+
+def write_lora(trainer, output_dir: str) -> None:
+    """The current (not EMA) LoRA weights as ``pytorch_lora_weights.safetensors`` via the pipeline's
+    ``save_lora_weights``, with the adapter metadata (so ``lora_alpha != r`` round-trips)."""
+    from peft.utils import get_peft_model_state_dict
+
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    sd = {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(model).items()}
+    trainer.adapter.save_lora_weights(output_dir, sd, model.peft_config["default"].to_dict())
+
+
+def read_lora(trainer, input_dir: str) -> None:
+    """Load ``pytorch_lora_weights.safetensors`` of a checkpoint into the trained adapter (exact)."""
+    from peft.utils import set_peft_model_state_dict
+
+    cls = trainer.adapter.pipeline_class
+    try:
+        sd = cls.lora_state_dict(input_dir, weight_name=LORA_WEIGHT_NAME, use_safetensors=True)
+    except Exception as e:
+        raise ValueError(f"checkpoint {input_dir}: {LORA_WEIGHT_NAME} cannot be loaded: {e}") from e
+    sd = sd[0] if isinstance(sd, tuple) else sd
+    prefix = f"{getattr(cls, 'transformer_name', 'transformer')}."
+    sd = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    result = set_peft_model_state_dict(model, sd, adapter_name="default")
+    if getattr(result, "unexpected_keys", None):
+        raise ValueError(f"checkpoint {input_dir}: unexpected adapter keys {result.unexpected_keys[:4]} "
+                         "(saved with other lora_target_modules?)")
+
+
+def _ema_save(ema, params_named: list[str], path: str) -> None:
+    from safetensors.torch import save_file
+
+    sd = ema.state_dict()
+    shadow = sd.pop("shadow_params")
+    save_file({n: p.detach().cpu().contiguous() for n, p in zip(params_named, shadow)},
+              os.path.join(path, EMA_WEIGHTS_NAME))
+    _write_json(os.path.join(path, EMA_STATE_NAME), sd)
+
+
+def _ema_load(ema, params_named: list[str], path: str, decay: float) -> None:
+    from safetensors.torch import load_file
+
+    sd = _read_json(os.path.join(path, EMA_STATE_NAME))
+    tensors = load_file(os.path.join(path, EMA_WEIGHTS_NAME))
+    missing = [n for n in params_named if n not in tensors]
+    if missing:
+        raise ValueError(f"checkpoint {path}: {EMA_WEIGHTS_NAME} lacks {missing[:3]}")
+    device = ema.shadow_params[0].device if ema.shadow_params else "cpu"
+    sd["shadow_params"] = [tensors[n].to(device) for n in params_named]
+    ema.load_state_dict(sd)
+    ema.decay = decay  # the current config's decay (a change is reported by compare_configs)
+
+
+def _trainable_names(trainer) -> list[str]:
+    return [n for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters() if p.requires_grad]
+
+
+def save_checkpoint(trainer) -> str:
+    """Write ``output_dir/checkpoint-<global_step>`` kill-safely (see the module docstring). Called by every
+    process; returns the path. A complete checkpoint of this run at this step is never rewritten."""
+    cfg, acc, state = trainer.config, trainer.accelerator, trainer.state
+    final = os.path.join(cfg.output_dir, f"checkpoint-{state.global_step}")
+    tmp = final + TMP_SUFFIX
+    existing = read_marker(final)
+    if existing is not None and existing.run_id == state.run_id and existing.step == state.global_step:
+        return final
+    if acc.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    acc.wait_for_everyone()
+    acc.save_state(tmp)  # model (LoRA via the pre-hook), optimizer, RNG states, grad scaler
+    acc.wait_for_everyone()
+    if acc.is_main_process:
+        _write_json(os.path.join(tmp, SCHEDULER_NAME), trainer.lr_scheduler.state_dict())
+        _write_json(os.path.join(tmp, STATE_NAME), state.state_dict())
+        _write_json(os.path.join(tmp, CONFIG_NAME), flat_config(cfg))
+        if trainer.ema is not None:
+            _ema_save(trainer.ema, _trainable_names(trainer), tmp)
+        trainer.save_extra_state(tmp)
+        files = {}
+        for root, _, names in os.walk(tmp):
+            for name in sorted(names):
+                p = os.path.join(root, name)
+                with open(p, "rb+") as f:
+                    os.fsync(f.fileno())
+                files[os.path.relpath(p, tmp)] = {"size": os.path.getsize(p), "sha256": _sha256(p)}
+        marker = {"format": _FORMAT, "version": 1, "run_id": state.run_id, "step": state.global_step,
+                  "method": trainer._method_name, "trainer_class": type(trainer).__name__, "time": time.time(),
+                  "num_processes": acc.num_processes, "files": files}
+        with open(os.path.join(tmp, COMPLETE_NAME), "w", encoding="utf-8") as f:
+            json.dump(marker, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        if os.path.exists(final):  # another run's (overwrite_output_dir) or an incomplete folder of that name
+            shutil.rmtree(final + TRASH_SUFFIX, ignore_errors=True)
+            os.replace(final, final + TRASH_SUFFIX)
+        os.replace(tmp, final)
+        shutil.rmtree(final + TRASH_SUFFIX, ignore_errors=True)
+        rotate(cfg.output_dir, state.run_id, cfg.save_total_limit)
+    acc.wait_for_everyone()
+    return final
+
+
+def load_checkpoint(trainer, resume) -> CheckpointInfo:
+    """Resume ``trainer`` from ``resume`` (a folder, or True / "latest"): verify the files, compare configs,
+    then restore weights, optimizer, schedule, EMA, trainer state and the method's extra state."""
+    cfg, acc = trainer.config, trainer.accelerator
+    info = resolve_resume(resume, cfg.output_dir)
+    verify_files(info)
+    if info.method != trainer._method_name:
+        raise ValueError(f"resume_from_checkpoint: {info.path} was written by method {info.method!r}, this trainer "
+                         f"is {trainer._method_name!r}; resume it with the same trainer class")
+    saved_cfg = _read_json(os.path.join(info.path, CONFIG_NAME))
+    notices = compare_configs(saved_cfg, flat_config(cfg))
+    try:
+        acc.load_state(info.path)
+    except Exception as e:
+        raise ValueError(f"checkpoint {info.path}: accelerate could not load it: {type(e).__name__}: {e}") from e
+    trainer.lr_scheduler.load_state_dict(_read_json(os.path.join(info.path, SCHEDULER_NAME)))
+    trainer.state.load_state_dict(_read_json(os.path.join(info.path, STATE_NAME)))
+    if trainer.ema is not None:
+        if os.path.exists(os.path.join(info.path, EMA_WEIGHTS_NAME)):
+            _ema_load(trainer.ema, _trainable_names(trainer), info.path, cfg.ema_decay)
+        else:
+            notices.append("ema_decay > 0 but the checkpoint has no EMA: the EMA starts from the current weights")
+            trainer.ema.shadow_params = [p.detach().clone() for p in trainer.trainable_params]
+    trainer.load_extra_state(info.path)
+    if any(saved_cfg.get(k) != flat_config(cfg).get(k) for k in OPTIMIZER_FIELDS + ("max_steps",)):
+        apply_optimizer_settings(trainer.optimizer, trainer.lr_scheduler, cfg)
+        if saved_cfg.get("max_steps") != cfg.max_steps and cfg.lr_scheduler_type not in ("constant",
+                                                                                          "constant_with_warmup"):
+            notices.append(f"max_steps: {saved_cfg.get('max_steps')} -> {cfg.max_steps} (the {cfg.lr_scheduler_type} "
+                           f"learning-rate schedule now spans {cfg.max_steps} iterations)")
+    lines = [f"Resuming from {info.path} (step {info.step}, run {info.run_id})"]
+    if notices:
+        lines.append("Changed settings, applied from this step on: " + "; ".join(notices))
+    acc.print("\n".join(lines))
+    return info
+
+
+def compare_configs(saved: dict, current: dict) -> list[str]:
+    """Raise ``ValueError`` naming every field of :data:`REFUSED_CHANGES` whose value differs between the saved and
+    the current config (both values). Returns a notice per other non-harmless change (optimizer settings are
+    applied by :func:`apply_optimizer_settings`)."""
+    refused, notices = [], []
+    for name in sorted(set(saved) | set(current)):
+        if name not in saved or name not in current or _same(saved[name], current[name]):
+            continue
+        change = f"{name}: {saved[name]!r} -> {current[name]!r}"
+        if name in REFUSED_CHANGES:
+            refused.append(change)
+        elif name not in HARMLESS_CHANGES:
+            notices.append(change)
+    if refused:
+        raise ValueError("resume_from_checkpoint: the checkpoint was trained with other settings that cannot change "
+                         "mid-run (" + "; ".join(refused) + "); restore them, or start a new run in another "
+                         "output_dir")
+    return notices
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
+    return a == b
+
+
+def apply_optimizer_settings(optimizer, scheduler, cfg) -> None:
+    """Set the config's learning rate, betas, eps and weight decay on the restored optimizer, and the restored
+    schedule's position under the config's (possibly changed) schedule: lr = learning_rate * schedule(step)."""
+    for group in optimizer.param_groups:
+        group["initial_lr"] = cfg.learning_rate
+        if "betas" in group:
+            group["betas"] = (cfg.adam_beta1, cfg.adam_beta2)
+        if "eps" in group:
+            group["eps"] = cfg.adam_epsilon
+        group["weight_decay"] = cfg.weight_decay
+    scheduler.base_lrs = [cfg.learning_rate] * len(optimizer.param_groups)
+    lambdas = getattr(scheduler, "lr_lambdas", None)
+    if lambdas is None:
+        raise ValueError(f"lr_scheduler_type={cfg.lr_scheduler_type!r}: a changed learning rate or schedule cannot be "
+                         "applied on resume to this scheduler; keep the checkpoint's settings")
+    for group, base, fn in zip(optimizer.param_groups, scheduler.base_lrs, lambdas):
+        group["lr"] = base * fn(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
+# --------------------------------------------------------------------------------------------- interrupts
+class InterruptGuard:
+    """Defer SIGINT / SIGTERM to the end of the current iteration.
+
+    The first signal is recorded (and announced); :meth:`stop_requested` at the iteration boundary then tells the
+    loop, on every process at the same iteration, to save the complete state and stop. A second signal raises
+    ``KeyboardInterrupt`` at once: the partial iteration is discarded, complete checkpoints are untouched (a save
+    in progress only leaves its ``.tmp`` folder). Handlers are installed only from the main thread."""
+
+    SIGNALS = ("SIGINT", "SIGTERM")
+
+    def __init__(self, print_fn=print):
+        self.signum: int | None = None
+        self._previous: dict = {}
+        self._print = print_fn
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for name in self.SIGNALS:
+                sig = getattr(signal, name, None)
+                if sig is not None:
+                    self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+        return False
+
+    def _handle(self, signum, frame):
+        if self.signum is None:
+            self.signum = signum
+            self._print(f"\n{signal.Signals(signum).name} received: finishing this iteration, then saving a "
+                        "checkpoint and stopping (send it again to stop now without saving).")
+            return
+        self.__exit__()
+        raise KeyboardInterrupt
+
+    def stop_requested(self, accelerator) -> int | None:
+        """The signal any process received (all processes agree), or None."""
+        flag = torch.tensor([float(self.signum or 0)], device=accelerator.device)
+        if accelerator.num_processes > 1:
+            flag = accelerator.reduce(flag, reduction="max")
+        return int(flag.item()) or None
+
+    @staticmethod
+    def exception(signum: int) -> BaseException:
+        """What the loop raises after saving: KeyboardInterrupt for SIGINT, SystemExit(128 + n) otherwise (the
+        exit status of a process killed by that signal)."""
+        if signum == signal.SIGINT:
+            return KeyboardInterrupt()
+        return SystemExit(128 + signum)

@@ -1,0 +1,149 @@
+"""Checks a trainer runs before spending compute, and monitors of a running loop.
+
+Each check raises an error naming the field (or object) and the fix; each monitor logs a counted skip and warns
+loudly when a problem persists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import warnings
+
+#: Iterations in a row without any rewarded sample after which the loop warns (and again every as many).
+NO_REWARD_WARN_AFTER = 3
+
+
+# ------------------------------------------------------------------------------------------- launch, batch
+def check_launch(accelerator) -> None:
+    """A launcher that started several processes (WORLD_SIZE > 1) must give accelerate as many: on a machine without
+    GPUs accelerate otherwise runs independent single-process copies that write into one output_dir."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world > 1 and accelerator.num_processes == 1:
+        raise RuntimeError(
+            f"launched with WORLD_SIZE={world} but accelerate runs 1 process per copy (no GPU found, so it does not "
+            "set up torch.distributed): on CPU set ACCELERATE_USE_CPU=1, e.g. `ACCELERATE_USE_CPU=1 torchrun "
+            f"--nproc_per_node {world} train.py ...` or `ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu "
+            f"--num_processes {world} train.py ...`"
+        )
+
+
+def _nearest(value: int, ok) -> list[int]:
+    """The closest integers >= 1 below and above ``value`` for which ``ok`` holds."""
+    out = []
+    lo = next((v for v in range(value - 1, 0, -1) if ok(v)), None)
+    hi = next((v for v in range(value + 1, value * 64 + 64) if ok(v)), None)
+    return [v for v in (lo, hi) if v is not None]
+
+
+def check_batch(config, num_processes: int) -> None:
+    """``prompts_per_step * num_generations`` trajectories must split evenly over the processes."""
+    P, G, n = config.prompts_per_step, config.num_generations, num_processes
+    if (P * G) % n == 0:
+        return
+    ps = _nearest(P, lambda p: (p * G) % n == 0)
+    gs = _nearest(G, lambda g: g >= 2 and (P * g) % n == 0)
+    options = [f"prompts_per_step={p} ({p * G} trajectories, {p * G // n} per process)" for p in ps]
+    options += [f"num_generations={g} ({P * g} trajectories, {P * g // n} per process)" for g in gs]
+    raise ValueError(
+        f"prompts_per_step={P} x num_generations={G} = {P * G} trajectories per iteration cannot be split evenly "
+        f"over {n} processes ({P * G} / {n} = {P * G / n:.3g}); nearest valid: " + ", or ".join(options)
+        + f", or a number of processes that divides {P * G}"
+    )
+
+
+# ------------------------------------------------------------------------------------------------- pipeline
+def check_no_adapter(transformer) -> None:
+    """The trainer adds its own LoRA adapter ``default``: a transformer that already holds one (a pipeline given
+    to a trainer before, or with loaded LoRA weights) is refused with the fix."""
+    names = list(getattr(transformer, "peft_config", None) or {})
+    if names:
+        raise ValueError(
+            f"pipe.transformer already holds LoRA adapter(s) {names}: this pipeline was given to a trainer before, or "
+            "has LoRA weights loaded. Build or load a fresh pipeline for each trainer; to start from a LoRA, merge "
+            "it first: pipe.fuse_lora(); pipe.unload_lora_weights()"
+        )
+    if getattr(transformer, "_hf_peft_config_loaded", False):  # left over by a failed add_adapter: harmless now
+        transformer._hf_peft_config_loaded = False
+
+
+def remove_adapter(transformer) -> None:
+    """Undo the trainer's ``add_adapter`` after a failed set-up, so that the pipeline can be given to a new trainer."""
+    if "default" in (getattr(transformer, "peft_config", None) or {}):
+        transformer.delete_adapters("default")
+    if not getattr(transformer, "peft_config", None):
+        transformer._hf_peft_config_loaded = False
+
+
+# ---------------------------------------------------------------------------------------------------- prompts
+def prompt_token_limits(pipe, max_sequence_length: int) -> list[tuple[str, object, int]]:
+    """(name, tokenizer, limit) of every tokenizer of the pipeline: T5-family tokenizers are cut at
+    ``max_sequence_length``, the others (CLIP) at their ``model_max_length``."""
+    out = []
+    for name, tok in pipe.components.items():
+        if name.startswith("tokenizer") and tok is not None and hasattr(tok, "model_max_length"):
+            limit = max_sequence_length if "T5" in type(tok).__name__ else tok.model_max_length
+            out.append((name, tok, min(limit, tok.model_max_length)))
+    return out
+
+
+class LongPromptWarning:
+    """Warn once per trainer when prompts are longer than a tokenizer's limit (the pipeline truncates them), and
+    silence the pipeline's own warning, which it repeats at every encode."""
+
+    def __init__(self, pipe, max_sequence_length: int):
+        self.limits = prompt_token_limits(pipe, max_sequence_length)
+        self.logger = logging.getLogger(type(pipe).__module__)
+        self.warned = False
+
+    def check(self, prompts: list[str]) -> None:
+        if self.warned:
+            return
+        for name, tok, limit in self.limits:
+            lengths = [len(ids) for ids in tok(list(prompts), verbose=False)["input_ids"]]
+            long = [i for i, n in enumerate(lengths) if n > limit]
+            if long:
+                self.warned = True
+                warnings.warn(
+                    f"{len(long)} of {len(prompts)} prompts in this batch exceed the {limit}-token limit of "
+                    f"pipe.{name} and are truncated (e.g. {prompts[long[0]][:80]!r}: {lengths[long[0]]} tokens). "
+                    "Shorten them or raise max_sequence_length (T5). Reported once per trainer.",
+                    UserWarning, stacklevel=3)
+                return
+
+    @contextlib.contextmanager
+    def silence_pipeline(self):
+        class _DropTruncation(logging.Filter):
+            def filter(self, record):
+                return "was truncated" not in record.getMessage()
+
+        f = _DropTruncation()
+        self.logger.addFilter(f)
+        try:
+            yield
+        finally:
+            self.logger.removeFilter(f)
+
+
+# ---------------------------------------------------------------------------------------------------- rewards
+class NoRewardMonitor:
+    """Counts iterations in which no sample got a reward (all None / NaN / inf: no update) and warns loudly after
+    :data:`NO_REWARD_WARN_AFTER` in a row."""
+
+    def __init__(self):
+        self.streak = 0
+        self.skipped = 0
+
+    def update(self, metrics: dict, step: int) -> None:
+        if metrics.get("no_reward_frac", 0.0) < 1.0:
+            self.streak = 0
+        else:
+            self.streak += 1
+            self.skipped += 1
+            if self.streak % NO_REWARD_WARN_AFTER == 0:
+                warnings.warn(
+                    f"iteration {step + 1}: no sample got a reward for {self.streak} iterations in a row (every reward "
+                    "returned None, NaN or inf), so nothing was trained. Check the reward functions.",
+                    RuntimeWarning, stacklevel=3)
+        metrics["skipped_no_reward"] = float(self.skipped)
