@@ -120,3 +120,31 @@ def test_captions_name_every_reward_and_missing_scores():
     text = captions(["a cat", "a dog"], torch.tensor([0.5, float("nan")]),
                     {"pick": torch.tensor([0.25, float("nan")]), "ocr": torch.tensor([0.25, float("nan")])})
     assert text == ["a cat | reward 0.5 (pick 0.25, ocr 0.25)", "a dog | reward nan (pick nan, ocr nan)"]
+
+
+def test_tensorboard_gets_video_frame_strips(tmp_path):
+    """A video pipeline's rollout reaches tensorboard as one frame strip per sample (B, 3, H, F' * W)."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import IMAGES, EventAccumulator
+
+    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
+    from trl_flow.testing import tiny_wan_pipeline
+    from trl_flow.video import per_frame
+
+    def brightness(images, prompts, **kw):
+        return images.mean(dim=(1, 2, 3)).tolist()
+
+    out = tmp_path / "tbv"
+    cfg = FlowGRPOConfig(output_dir=str(out), report_to="tensorboard", run_name="run", max_steps=1,
+                         log_images_steps=1, num_generations=2, prompts_per_step=1, per_device_train_batch_size=2,
+                         height=16, width=16, num_frames=5, num_inference_steps=3, guidance_scale=1.0,
+                         max_sequence_length=8, lora_r=2, lora_alpha=2, beta=0.0, disable_tqdm=True)
+    tr = FlowGRPOTrainer(cfg, tiny_wan_pipeline(scheduler="flow_match"), [per_frame(brightness)],
+                         train_dataset=["a cat"])
+    tr.train()
+    (events,) = glob.glob(str(out / "run" / "events.out.tfevents*"))
+    acc = EventAccumulator(events, size_guidance={IMAGES: 0})
+    acc.Reload()
+    (img,) = acc.Images("images/train")
+    assert tr.last_rollout.images.shape[:2] == (2, 5)
+    assert img.height == 16 and img.width == 16 * 5 * 2  # 5 frames side by side, 2 samples in a row

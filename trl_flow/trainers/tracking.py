@@ -29,11 +29,17 @@ def captions(prompts: list[str], rewards: torch.Tensor, per_func: dict[str, torc
 
 def log_images(accelerator, split: str, images: torch.Tensor, prompts: list[str], rewards: torch.Tensor,
                per_func: dict[str, torch.Tensor], step: int, max_images: int = MAX_LOGGED_IMAGES) -> None:
-    """Log up to ``max_images`` images (B, 3, H, W) in [0, 1] with their captions. Main process only."""
+    """Log up to ``max_images`` images (B, 3, H, W) in [0, 1] with their captions; videos (B, F, 3, H, W) are
+    logged as frame strips (up to 8 evenly spaced frames side by side, :func:`trl_flow.video.frame_strips`).
+    Main process only."""
     if not accelerator.is_main_process or images is None or not len(images):
         return
     n = min(max_images, len(images))
     images = images[:n].detach().float().clamp(0, 1).cpu()
+    if images.ndim == 5:
+        from ..video import frame_strips
+
+        images = frame_strips(images)
     texts = captions(prompts[:n], rewards[:n], {k: v[:n] for k, v in per_func.items()})
     for tracker in accelerator.trackers:
         if tracker.name == "tensorboard":
