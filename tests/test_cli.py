@@ -91,9 +91,9 @@ def test_rewards_resolve_from_names_modules_and_classes(tmp_path, monkeypatch):
     assert cli.resolve_reward("shapes_partial") is shapes_partial_reward
     assert cli.resolve_reward("my_rewards:score")(None, ["a"]) == [1.0]
     assert cli.resolve_reward("my_rewards:Scorer")(None, ["a", "b"]) == [2.0, 2.0]  # a class is instantiated
-    with pytest.raises(cli.CLIError, match="unknown reward; use one of .*jpeg_compressibility"):
+    with pytest.raises(cli.CLIError, match="unknown name; use one of .*jpeg_compressibility"):
         cli.resolve_reward("jpeg")
-    with pytest.raises(cli.CLIError, match="cannot import 'nope' from 'my_rewards'"):
+    with pytest.raises(cli.CLIError, match="module 'my_rewards' has no attribute 'nope'"):
         cli.resolve_reward("my_rewards:nope")
 
 
@@ -142,7 +142,7 @@ def test_missing_inputs_fail_before_loading_the_model(monkeypatch):
         cli.run("grpo", ["--dataset_name", "shapes"])
     with pytest.raises(cli.CLIError, match="dataset_name: required"):
         cli.run("grpo", ["--reward_funcs", "jpeg_incompressibility"])
-    with pytest.raises(cli.CLIError, match="unknown reward"):
+    with pytest.raises(cli.CLIError, match="unknown name"):
         cli.run("grpo", ["--dataset_name", "shapes", "--reward_funcs", "nope"])
 
 
@@ -182,3 +182,14 @@ def test_top_level_help_lists_the_commands(capsys):
         assert name in out
     with pytest.raises(SystemExit):
         cli.main(["gpro"])
+
+
+def test_registered_reward_names_resolve_to_built_rewards():
+    """`--reward_funcs pickscore` (what the SD3.5 recipes use) gives the built reward model, not its factory."""
+    from trl_flow.cli import resolve_reward
+    from trl_flow.rewards import RewardModel
+    from trl_flow.tasks import shapes
+
+    assert isinstance(resolve_reward("pickscore"), RewardModel)
+    assert resolve_reward("shapes_dense") is shapes.shapes_dense_reward
+    assert resolve_reward("trl_flow.tasks.shapes:shapes_strict_reward") is shapes.shapes_strict_reward

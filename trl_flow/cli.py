@@ -156,33 +156,19 @@ def parse_args(command: str, argv: list[str]):
 
 # ---------------------------------------------------------------------------------------------- building
 def resolve_reward(spec: str):
-    """A reward callable from its command-line spelling (see ``ScriptArguments.reward_funcs``)."""
-    import trl_flow.rewards as rewards
+    """A reward callable from its command-line spelling (see ``ScriptArguments.reward_funcs``): a reward-server URL,
+    else :func:`trl_flow.rewards.get_reward` (a registered name such as ``pickscore`` or ``shapes_partial``, or
+    ``module:callable``; a module next to the recipe is importable, like TRL's scripts)."""
+    from trl_flow.rewards import RemoteReward, get_reward
 
     if spec.startswith(("http://", "https://")):
-        remote = getattr(rewards, "RemoteReward", None)
-        if remote is None:
-            raise CLIError(f"--reward_funcs {spec}: remote rewards (RemoteReward) are not available in this version "
-                           "of trl_flow")
-        return remote(spec)
-    if ":" in spec:
-        module_name, _, attr = spec.partition(":")
-        sys.path.insert(0, os.getcwd())  # like TRL's scripts: a module next to the recipe is importable
-        try:
-            obj = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as e:
-            raise CLIError(f"--reward_funcs {spec}: cannot import {attr!r} from {module_name!r} ({e})") from e
-    elif spec in ("shapes_partial", "shapes_strict"):
-        from trl_flow.tasks import shapes
-
-        obj = getattr(shapes, f"{spec}_reward")
-    else:
-        obj = getattr(rewards, spec, None) if not spec.startswith("_") else None
-        if obj is None or not callable(obj):
-            names = sorted(n for n in dir(rewards) if not n.startswith("_") and callable(getattr(rewards, n))
-                           and getattr(getattr(rewards, n), "__module__", "").startswith("trl_flow"))
-            raise CLIError(f"--reward_funcs {spec!r}: unknown reward; use one of {names}, shapes_partial, "
-                           "shapes_strict, `module:callable` or a reward-server URL")
+        return RemoteReward(spec)
+    if ":" in spec and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj = get_reward(spec)
+    except (ValueError, TypeError, ImportError) as e:
+        raise CLIError(f"--reward_funcs {spec!r}: {e}") from e
     if isinstance(obj, type):
         obj = obj()
     if not callable(obj):

@@ -51,6 +51,7 @@ register_function("jpeg_compressibility", lambda: jpeg_compressibility)
 register_function("jpeg_incompressibility", lambda: jpeg_incompressibility)
 register_function("shapes_strict", _shapes("shapes_strict"))
 register_function("shapes_partial", _shapes("shapes_partial"))
+register_function("shapes_dense", _shapes("shapes_dense"))
 del _f
 
 __all__ = [
