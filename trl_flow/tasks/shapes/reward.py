@@ -148,24 +148,28 @@ def classify_shape(area: int, width: int, height: int) -> str:
     return "other"
 
 
-def detect(image, min_pixels: int | None = None) -> list[dict]:
-    """Objects found in one image: a list of dicts with ``color``, ``shape``, ``area`` and ``box``
-    (x0, y0, x1, y1), inclusive pixel coordinates, y pointing down."""
+def colored_components(image, min_pixels: int | None = None):
+    """The detector's raw measurements of one image: ``(min_pixels, [(color, area, (x0, y0, x1, y1)), ...])``, every
+    4-connected component of every palette colour (no size filter; ``min_pixels`` is the size threshold for this
+    resolution, ``MIN_PIXELS_AT_32`` scaled with the image area, unless given)."""
     labels = palette_labels(image)
     h, w = labels.shape
     if min_pixels is None:
         min_pixels = max(1, int(round(MIN_PIXELS_AT_32 * h * w / (32 * 32))))
-    objects = []
+    comps = []
     for ci, color in enumerate(COLORS, start=1):
         mask = labels == ci
-        if not mask.any():
-            continue
-        for area, x0, y0, x1, y1 in _components(mask):
-            if area < min_pixels:
-                continue
-            shape = classify_shape(area, x1 - x0 + 1, y1 - y0 + 1)
-            objects.append({"color": color, "shape": shape, "area": area, "box": (x0, y0, x1, y1)})
-    return objects
+        if mask.any():
+            comps += [(color, area, (x0, y0, x1, y1)) for area, x0, y0, x1, y1 in _components(mask)]
+    return min_pixels, comps
+
+
+def detect(image, min_pixels: int | None = None) -> list[dict]:
+    """Objects found in one image: a list of dicts with ``color``, ``shape``, ``area`` and ``box``
+    (x0, y0, x1, y1), inclusive pixel coordinates, y pointing down."""
+    min_pixels, comps = colored_components(image, min_pixels)
+    return [{"color": color, "shape": classify_shape(area, box[2] - box[0] + 1, box[3] - box[1] + 1), "area": area,
+             "box": box} for color, area, box in comps if area >= min_pixels]
 
 
 def relations_between(box_a, box_b, threshold: float = 0.5) -> set[str]:
@@ -336,27 +340,20 @@ def soft_objects(image, min_pixels: int | None = None) -> list[dict]:
     ``min_pixels`` gets a weight ``w`` (0 at a quarter, 1 from ``min_pixels`` on, linear between) and soft
     shape memberships ``p`` (dict shape -> [0, 1], summing to <= 1) from sigmoids around the detector's fill-ratio
     thresholds (width ``DENSE_TEMPERATURE``) and its aspect-ratio limit."""
-    labels = palette_labels(image)
-    h, w = labels.shape
-    if min_pixels is None:
-        min_pixels = max(1, int(round(MIN_PIXELS_AT_32 * h * w / (32 * 32))))
+    min_pixels, comps = colored_components(image, min_pixels)
     lo = min_pixels / 4
     out = []
-    for ci, color in enumerate(COLORS, start=1):
-        mask = labels == ci
-        if not mask.any():
+    for color, area, (x0, y0, x1, y1) in comps:
+        if area < lo:
             continue
-        for area, x0, y0, x1, y1 in _components(mask):
-            if area < lo:
-                continue
-            bw, bh = x1 - x0 + 1, y1 - y0 + 1
-            fill = area / float(bw * bh)
-            aspect = max(bw / bh, bh / bw)
-            ok = _sigmoid((MAX_ASPECT - aspect) / DENSE_ASPECT_TEMPERATURE)
-            c_sq, c_ci, c_tr = (_sigmoid((fill - t) / DENSE_TEMPERATURE) for t in (SQUARE_FILL, CIRCLE_FILL, TRIANGLE_FILL))
-            p = {"square": ok * c_sq, "circle": ok * max(0.0, c_ci - c_sq), "triangle": ok * max(0.0, c_tr - c_ci)}
-            weight = min(1.0, max(0.0, (area - lo) / (min_pixels - lo)))
-            out.append({"color": color, "w": weight, "p": p, "box": (x0, y0, x1, y1)})
+        bw, bh = x1 - x0 + 1, y1 - y0 + 1
+        fill = area / float(bw * bh)
+        aspect = max(bw / bh, bh / bw)
+        ok = _sigmoid((MAX_ASPECT - aspect) / DENSE_ASPECT_TEMPERATURE)
+        c_sq, c_ci, c_tr = (_sigmoid((fill - t) / DENSE_TEMPERATURE) for t in (SQUARE_FILL, CIRCLE_FILL, TRIANGLE_FILL))
+        p = {"square": ok * c_sq, "circle": ok * max(0.0, c_ci - c_sq), "triangle": ok * max(0.0, c_tr - c_ci)}
+        weight = min(1.0, max(0.0, (area - lo) / (min_pixels - lo)))
+        out.append({"color": color, "w": weight, "p": p, "box": (x0, y0, x1, y1)})
     return out
 
 
