@@ -36,7 +36,10 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=30, help="training iterations")
     ap.add_argument("--output_dir", default="out/quickstart")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (the tiny model's ops are too small to gain from more; 1 is fastest here)")
     args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
 
     torch.manual_seed(args.seed)
     pipe = shapes.load_base_pipeline()
