@@ -49,6 +49,20 @@ class Schedule:
         return len(self.timesteps)
 
 
+#: The attention projections of a joint (MM-DiT) attention block, image and text streams: SD3's LoRA targets and
+#: the attention part of FLUX's (Flow-GRPO's published targets).
+JOINT_ATTENTION_PROJECTIONS: tuple[str, ...] = (
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+)
+
+
 class FlowAdapter:
     """Base class of the pipeline adapters. Subclasses implement the methods below."""
 

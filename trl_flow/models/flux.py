@@ -7,7 +7,7 @@ import math
 import numpy as np
 import torch
 
-from .base import FlowAdapter, PromptEmbeds, Schedule
+from .base import JOINT_ATTENTION_PROJECTIONS, FlowAdapter, PromptEmbeds, Schedule
 
 
 class FluxAdapter(FlowAdapter):
@@ -30,15 +30,7 @@ class FluxAdapter(FlowAdapter):
 
     #: Flow-GRPO's FLUX targets: the attention projections and feed-forward layers of the double-stream blocks
     #: (image and text streams); ``attn.to_q/k/v`` also match the single-stream blocks.
-    default_lora_target_modules = (
-        "attn.to_q",
-        "attn.to_k",
-        "attn.to_v",
-        "attn.to_out.0",
-        "attn.add_q_proj",
-        "attn.add_k_proj",
-        "attn.add_v_proj",
-        "attn.to_add_out",
+    default_lora_target_modules = JOINT_ATTENTION_PROJECTIONS + (
         "ff.net.0.proj",
         "ff.net.2",
         "ff_context.net.0.proj",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import FlowAdapter, PromptEmbeds, Schedule
+from .base import JOINT_ATTENTION_PROJECTIONS, FlowAdapter, PromptEmbeds, Schedule
 
 
 class SD3Adapter(FlowAdapter):
@@ -13,16 +13,7 @@ class SD3Adapter(FlowAdapter):
     The transformer takes the timestep on the 0..1000 scale (``sigma * 1000``) exactly as the pipeline passes it.
     """
 
-    default_lora_target_modules = (
-        "attn.to_q",
-        "attn.to_k",
-        "attn.to_v",
-        "attn.to_out.0",
-        "attn.add_q_proj",
-        "attn.add_k_proj",
-        "attn.add_v_proj",
-        "attn.to_add_out",
-    )
+    default_lora_target_modules = JOINT_ATTENTION_PROJECTIONS
 
     @property
     def pipeline_class(self):
