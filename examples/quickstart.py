@@ -46,7 +46,7 @@ def main(argv=None):
     config_cls, trainer_cls = (FlowGRPOConfig, FlowGRPOTrainer) if args.method == "flow_grpo" else (
         OPGRPOConfig, OPGRPOTrainer)
     config = config_cls(
-        output_dir=args.output_dir, seed=args.seed, max_steps=args.steps,
+        output_dir=args.output_dir, overwrite_output_dir=True, seed=args.seed, max_steps=args.steps,
         height=32, width=32, num_inference_steps=10, guidance_scale=shapes.DEFAULT_GUIDANCE_SCALE,
         max_sequence_length=shapes.MAX_SEQUENCE_LENGTH, eval_num_inference_steps=shapes.DEFAULT_NUM_INFERENCE_STEPS,
         num_generations=16, prompts_per_step=8, per_device_train_batch_size=32, learning_rate=1e-3,

@@ -642,17 +642,22 @@ class FlowRLTrainer:
         return self.decode(latents, cfg.per_device_eval_batch_size), latents
 
     @torch.no_grad()
-    def kl_to_reference(self, prompts: list[str], seed: int = 0) -> torch.Tensor:
-        """Exact KL of the training kernel to the reference policy, along the policy's ODE trajectories.
+    def kl_to_reference(self, prompts: list[str], seed: int = 0, sampler: str | None = None,
+                        noise_level: float | None = None) -> torch.Tensor:
+        """Exact KL of a transition kernel to the reference policy's, along the policy's ODE trajectories.
 
         For each prompt, the policy's deterministic trajectory over the training schedule
         (``num_inference_steps``) is sampled with noise seeded by ``seed``; at every stochastic step ``k`` the
         kernels of the policy and of the reference (adapters disabled / frozen copy) at ``x_k`` are compared with
-        :func:`~trl_flow.kernels.gaussian_kl` (``logprob_reduction``). Returns (B,) KLs summed over the steps.
+        :func:`~trl_flow.kernels.gaussian_kl` (``logprob_reduction``). The kernel is the training one unless
+        ``sampler`` / ``noise_level`` name another: pass the same for every method to compare methods trained with
+        different kernels (a ``ddim`` kernel's tiny early stds make its KL much larger than ``flow_sde``'s for the
+        same change of velocity). Returns (B,) KLs summed over the steps.
         """
         cfg = self.config
         K = cfg.num_inference_steps
-        kinds = step_samplers(cfg.sampler, K, None)
+        noise_level = cfg.noise_level if noise_level is None else noise_level
+        kinds = step_samplers(sampler or cfg.sampler, K, None)
         states, embeds, schedule = self._ode_trajectories(prompts, seed, K, cfg.guidance_scale)
         sig = schedule.sigmas
         total = torch.zeros(len(prompts))
@@ -668,8 +673,8 @@ class FlowRLTrainer:
                     v = self.adapter.velocity(self.model, x, schedule.timesteps[k], emb, cfg.guidance_scale)
                 with self.reference_policy() as ref, self._autocast():
                     v_ref = self.adapter.velocity(ref, x, schedule.timesteps[k], emb, cfg.guidance_scale)
-                mu, std = kernel_mean_std(kind, x, v, sig[k], sig[k + 1], cfg.noise_level)
-                mu_ref, _ = kernel_mean_std(kind, x, v_ref, sig[k], sig[k + 1], cfg.noise_level)
+                mu, std = kernel_mean_std(kind, x, v, sig[k], sig[k + 1], noise_level)
+                mu_ref, _ = kernel_mean_std(kind, x, v_ref, sig[k], sig[k + 1], noise_level)
                 total[idx] += gaussian_kl(mu, mu_ref, std, cfg.logprob_reduction).cpu()
         return total
 
