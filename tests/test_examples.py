@@ -92,7 +92,7 @@ def test_quickstart_writes_lora_labelled_grid_and_scores(tmp_path):
 
     quickstart = _load("examples/quickstart.py")
     out = tmp_path / "qs"
-    quickstart.main(["--steps", "1", "--output_dir", str(out)])
+    quickstart.main(["--steps", "1", "--images_per_prompt", "1", "--output_dir", str(out)])
     assert (out / "pytorch_lora_weights.safetensors").stat().st_size > 1000
     scores = json.loads((out / "scores.json").read_text())
     for split in ("trained_prompts", "held_out_prompts"):
@@ -101,4 +101,4 @@ def test_quickstart_writes_lora_labelled_grid_and_scores(tmp_path):
             assert 0 <= o["strict"] <= o["partial"] <= 1
     sheet = Image.open(out / "before_after.png")
     n_prompts = len(set(quickstart.shapes.train_prompts().filter(lambda r: r["category"] in ("single", "counting"))["prompt"]))
-    assert sheet.size[1] == 22 + min(12, n_prompts) * 100  # one labelled row per prompt
+    assert sheet.size[1] == 40 + min(12, n_prompts) * 100  # one labelled row per prompt
