@@ -22,7 +22,7 @@ and the acceptance checks), ``table.md``, ``score_vs_step.png``, ``score_vs_cpu.
 Target for steps-to-target: base + ``TARGET_FRACTION`` x Flow-GRPO's mean final gain over the base.
 
     python benchmarks/shapes.py --quick                               # smoke run (~1 min), run by the test suite
-    python benchmarks/shapes.py --jobs 2                              # Flow-GRPO + OP-GRPO, 3 seeds (~45 min)
+    python benchmarks/shapes.py --jobs 2                              # Flow-GRPO + OP-GRPO, 3 seeds (~30 CPU-min)
     python benchmarks/shapes.py --jobs 2 --methods flow_grpo stepwise # any subset; finished runs are reused
 """
 
@@ -203,7 +203,8 @@ def summarise(runs: list[dict]) -> dict:
                "score_key": SCORE, "split": PRIMARY, "task": {**TASK, "categories": list(TASK["categories"])},
                "base": base, "base_test": base_test, "target": target, "target_fraction": TARGET_FRACTION,
                "methods": {}}
-    for m, rs in by.items():
+    for m in sorted(by, key=lambda name: list(METHODS).index(name) if name in METHODS else len(METHODS)):
+        rs = by[m]
         finals = [_final(r) for r in rs]
         s = {
             "seeds": [r["seed"] for r in rs],
@@ -337,7 +338,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=list(METHODS))
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--per-category", type=int, default=100, help="eval prompts per category and split")
     ap.add_argument("--jobs", type=int, default=1, help="runs in parallel, one single-threaded process each")
