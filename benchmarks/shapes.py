@@ -222,6 +222,7 @@ def summarise(runs: list[dict]) -> dict:
             "cpu_s_per_iter": _ms([r["cpu_s"] / len(r["iterations"]) for r in rs]),
             "cpu_s_per_run": _ms([r["cpu_s"] + r["eval_cpu_s"] for r in rs]),
         }
+        s.update(steps_to_target=None, cpu_to_target=None, n_reached=0)  # relative to Flow-GRPO; None: no target
         if target is not None:
             steps = [_first_reaching(r["evals"], target, "step") for r in rs]
             cpus = [_first_reaching(r["evals"], target, "cpu_s") for r in rs]
