@@ -126,13 +126,6 @@ def evaluate(trainer, sets, kl_prompts: int = 64) -> dict:
     return out
 
 
-def _reward(name):
-    from trl_flow.tasks import shapes
-
-    return {"partial": shapes.shapes_partial_reward, "strict": shapes.shapes_strict_reward,
-            "dense": shapes.shapes_dense_reward}[name]
-
-
 def run_one(method: str, seed: int, steps: int, eval_every: int, per_category: int, out: str) -> dict:
     import trl_flow
     from trl_flow.tasks import shapes
@@ -143,7 +136,10 @@ def run_one(method: str, seed: int, steps: int, eval_every: int, per_category: i
               "output_dir": os.path.join(out, "runs", f"{method}_seed{seed}")}
     kwargs = {k: v for k, v in kwargs.items() if k in cfg_cls.__dataclass_fields__}
     config = cfg_cls(**kwargs)
-    trainer = tr_cls(config, shapes.load_base_pipeline(), [_reward(TASK["reward"])], train_dataset=task_prompts())
+    from trl_flow.rewards import get_reward
+
+    reward = get_reward(f"shapes_{TASK['reward']}")  # the registry's shapes_partial / shapes_strict / shapes_dense
+    trainer = tr_cls(config, shapes.load_base_pipeline(), [reward], train_dataset=task_prompts())
     sets = eval_sets(per_category)
     evals = [{"step": 0, "cpu_s": 0.0, **evaluate(trainer, sets)}]
     iters, cpu = [], 0.0
