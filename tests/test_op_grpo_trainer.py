@@ -338,13 +338,18 @@ def test_corrections_against_independent_computation(tmp_path):
     assert m["is_weight/mean"] == pytest.approx(float(ws.mean()), rel=1e-5)
     assert m["is_weight/max"] == pytest.approx(float(ws.max()), rel=1e-5)
     assert m["is_weight/ess"] == pytest.approx(float(ws.sum() ** 2 / (len(ws) * (ws**2).sum())), rel=1e-5)
-    # the weight multiplies the unclipped term only: loss = max(-A w rho, -A clip(rho)) with rho = 1 here
-    i = rep[0]
-    a = -1.0 if w[i] > 1 else 1.0  # the sign for which the weighted term wins the max
-    r.advantages = torch.full((len(r),), a)
-    with torch.no_grad():
-        loss, _ = tr.compute_loss(r, torch.tensor([i]), 0, tr.forward_step(r, torch.tensor([i]), 0, need_ref=False))
-    assert float(loss) == pytest.approx(-a * w[i], rel=1e-5)
+    # the weight multiplies the whole clipped objective: loss = w * max(-A rho, -A clip(rho)) = -A w at rho = 1, for
+    # both signs of A and both sides of w = 1 (the earlier max(-A w rho, -A clip(rho)) gives -A min(w, 1) or
+    # -A max(w, 1) for one sign of A: this fails on it), and its gradient w.r.t. the log-prob is -A w too
+    for i in rep:
+        for a in (1.0, -1.0):
+            r.advantages = torch.full((len(r),), a)
+            out = tr.forward_step(r, torch.tensor([i]), 0, need_ref=False)
+            loss, stats = tr.compute_loss(r, torch.tensor([i]), 0, out)
+            assert float(loss) == pytest.approx(-a * w[i], rel=1e-5), (i, a)
+            (g,) = torch.autograd.grad(loss, out.log_prob)
+            assert float(g) == pytest.approx(-a * w[i], rel=1e-5), (i, a)
+            assert float(stats["clip_frac_weighted_off_policy"]) == 0.0
 
     r_seq = r
 
@@ -432,8 +437,9 @@ def test_bad_config_raises_naming_field(tmp_path, kwargs, field):
 
 def test_config_defaults(tmp_path):
     cfg = OPGRPOConfig(output_dir=str(tmp_path), num_inference_steps=10)
-    assert cfg.truncation_step == 5 and cfg.off_policy_fraction == 0.25 and cfg.off_policy_correction == "sequence"
-    assert make_config(tmp_path, truncation_step=K).truncation_step == K
+    assert cfg.resolved_truncation_step == 5 and cfg.off_policy_fraction == 0.25
+    assert (cfg.off_policy_correction, cfg.importance_weight_placement) == ("sequence", "objective")
+    assert make_config(tmp_path, truncation_step=K).resolved_truncation_step == K
     buf = make_trainer(tmp_path, buffer_capacity=3, buffer_decay=0.2, buffer_sampling="priority").replay_buffer
     assert (buf.capacity, buf.decay, buf.sampling, len(buf)) == (3, 0.2, "priority", 0)
 

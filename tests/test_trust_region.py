@@ -10,7 +10,7 @@ import torch
 
 from trl_flow import FlowDPPOConfig, FlowGRPOConfig, OPGRPOConfig
 from trl_flow.kernels import gaussian_log_prob, kernel_mean_std
-from trl_flow.trust_region import kl_mask, kl_masked_policy_loss, old_policy_kl
+from trl_flow.trust_region import DEFAULT_KL_MASK_DELTA, kl_mask, kl_masked_policy_loss, old_policy_kl
 
 DELTA = 1e-6
 # every (advantage sign, ratio side, KL side) case: A in {+, -, 0}; rho > 1, < 1, == 1; D above, at, below delta
@@ -198,13 +198,13 @@ def test_kl_uses_the_full_flow_sde_std():
 def test_defaults_per_preset_and_kernel():
     c = FlowDPPOConfig()
     assert (c.trust_region, c.num_inner_epochs, c.beta, c.kl_mask_mode) == ("kl_mask", 2, 1e-3, "asymmetric")
-    assert c.kl_mask_delta == 1e-7
-    assert FlowDPPOConfig(sampler="cps").kl_mask_delta == 1e-6
-    assert FlowDPPOConfig(kl_mask_delta=1e-5).kl_mask_delta == 1e-5  # the authors' recipe
+    assert c.kl_mask_delta is None and c.resolved_kl_mask_delta == DEFAULT_KL_MASK_DELTA  # the released code's
+    assert FlowDPPOConfig(sampler="cps").resolved_kl_mask_delta == DEFAULT_KL_MASK_DELTA
+    assert FlowDPPOConfig(kl_mask_delta=1e-7).resolved_kl_mask_delta == 1e-7  # the write-up's flow_sde value
     g = FlowGRPOConfig()
     assert (g.trust_region, g.clip_range, g.num_inner_epochs) == ("clip", 1e-4, 1)
     o = OPGRPOConfig(trust_region="kl_mask", sampler="cps")
-    assert (o.trust_region, o.kl_mask_delta, o.clip_range) == ("kl_mask", 1e-6, 1e-4)
+    assert (o.trust_region, o.resolved_kl_mask_delta, o.clip_range) == ("kl_mask", DEFAULT_KL_MASK_DELTA, 1e-4)
 
 
 @pytest.mark.parametrize("cls,kwargs,field", [
@@ -232,7 +232,7 @@ def test_trl_parser_and_help_texts():
         ["--output_dir", "x", "--kl_mask_delta", "1e-5", "--sampler", "cps", "--kl_mask_mode", "symmetric"])
     assert (c.kl_mask_delta, c.sampler, c.kl_mask_mode, c.trust_region) == (1e-5, "cps", "symmetric", "kl_mask")
     (c,) = trl.TrlParser((OPGRPOConfig,)).parse_args_into_dataclasses(["--trust_region", "kl_mask"])
-    assert c.trust_region == "kl_mask" and c.kl_mask_delta == 1e-7
+    assert c.trust_region == "kl_mask" and c.resolved_kl_mask_delta == DEFAULT_KL_MASK_DELTA
     fields = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(FlowDPPOConfig)}
     assert all(len(h) > 10 for h in fields.values()), [n for n, h in fields.items() if len(h) <= 10]
     assert "ABLATION" in fields["kl_mask_mode"] and "NOT the `kl_form`" in fields["kl_mask_delta"]

@@ -8,8 +8,8 @@ Per trained step of one microbatch (B samples), with the frozen old kernel ``N(m
 * ``M = 0`` iff ``D > delta`` and the update moves away from the old policy in the advantage's direction
   (``A > 0 and rho > 1`` or ``A < 0 and rho < 1``); otherwise ``M = 1`` (:func:`kl_mask`). Detached.
 * loss per sample ``-M w rho A`` (:func:`kl_masked_policy_loss`): no min, no clip. ``w`` is an optional detached
-  importance weight (OP-GRPO); it multiplies the unmasked term, as it multiplies the unclipped term of the clip
-  objective.
+  importance weight (OP-GRPO); it multiplies the kept term, as it multiplies the whole clipped objective of the
+  ratio clip.
 
 The ratio clip itself is :func:`trl_flow.losses.clipped_policy_loss`.
 """
@@ -22,9 +22,11 @@ from .kernels import gaussian_kl
 
 TRUST_REGIONS = ("clip", "kl_mask")
 KL_MASK_MODES = ("asymmetric", "symmetric")
-# Default delta per kernel for the mean-reduced old-vs-new KL. flow_sde / cps: the paper's values; the authors'
-# released recipe uses 1e-5 for both. ddim has no published value: it shares cps's mean, so it gets cps's delta.
-KL_MASK_DELTAS = {"flow_sde": 1e-7, "cps": 1e-6, "ddim": 1e-6}
+#: Default delta for the mean-reduced old-vs-new KL, every kernel: the authors' released Flow-DPPO code (1e-5, same
+#: mean-reduced exact-KL form as ours). The project follows the reference code where code and write-up differ.
+DEFAULT_KL_MASK_DELTA = 1e-5
+#: The write-up's per-kernel values (unverified against the code; pass them as `kl_mask_delta` to use them).
+PAPER_KL_MASK_DELTAS = {"flow_sde": 1e-7, "cps": 1e-6}
 
 
 def old_policy_kl(old_mean: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from ..advantages import SCALE_REWARDS
 from ..kernels import KL_FORMS, REDUCTIONS, SAMPLERS
 from ..memory import OFFLOAD_MODES
-from ..trust_region import KL_MASK_DELTAS, KL_MASK_MODES, TRUST_REGIONS
+from ..trust_region import DEFAULT_KL_MASK_DELTA, KL_MASK_MODES, TRUST_REGIONS
 
 
 GUIDANCE_GRADS = ("cond_only", "both")
@@ -77,7 +77,7 @@ class FlowRLConfig:
     guidance_grad: str = field(default="cond_only", metadata={"help": "Gradient through classifier-free guidance in the update. `cond_only` (default, the Flow-GRPO reference code): the unconditional branch is detached, so only the conditional branch is trained; `both`: back-propagate through both branches (the exact gradient of the guided policy; gives the unconditional branch the weight 1 - guidance_scale). Rollout values and log-probs are identical either way."})
     trust_region: str = field(default="clip", metadata={"help": "How each update is kept near the rollout's policy: `clip` (PPO ratio clip, Flow-GRPO; `clip_range`) or `kl_mask` (Flow-DPPO's divergence trust region: a sample's term is dropped when the exact old-vs-new kernel KL of its step exceeds `kl_mask_delta` and the update moves away from the old policy in its advantage's direction; no clip)."})
     clip_range: float = field(default=1e-4, metadata={"help": "trust_region=`clip`: PPO clip range eps on the per-step ratio (published Flow-GRPO: 1e-4 with mean-reduced log-probs)."})
-    kl_mask_delta: float | None = field(default=None, metadata={"help": "trust_region=`kl_mask`: threshold on the exact KL between the frozen old kernel and the current one, ||mu_old - mu_theta||^2 / (2 std^2) with the kernel's full std (flow_sde: including sqrt(-dt)), mean-reduced over latent dims whatever logprob_reduction. This is NOT the `kl_form` scaling of the beta-KL to the reference policy. Default (None): per kernel, the Flow-DPPO paper's 1e-7 for flow_sde and 1e-6 for cps (ddim, unpublished: 1e-6); the authors' released recipe uses 1e-5."})
+    kl_mask_delta: float | None = field(default=None, metadata={"help": "trust_region=`kl_mask`: threshold on the exact KL between the frozen old kernel and the current one, ||mu_old - mu_theta||^2 / (2 std^2) with the kernel's full std (flow_sde: including sqrt(-dt)), mean-reduced over latent dims whatever logprob_reduction. This is NOT the `kl_form` scaling of the beta-KL to the reference policy. Default (None): 1e-5 for every kernel, the authors' released Flow-DPPO code (resolved where it is used, `resolved_kl_mask_delta`); the paper's write-up gives 1e-7 for flow_sde and 1e-6 for cps (pass them explicitly for that form)."})
     kl_mask_mode: str = field(default="asymmetric", metadata={"help": "trust_region=`kl_mask`: `asymmetric` (Flow-DPPO: a step back toward the old policy is never masked) or `symmetric` (ABLATION only: mask every sample whose KL exceeds the threshold; the paper reports training collapses)."})
     reward_weights: list[float] | None = field(default=None, metadata={"help": "One weight per reward function (default: all 1)."})
     scale_rewards: str = field(default="batch", metadata={"help": "Advantage std (the mean is always the group's): `batch` (default; std over the whole gathered batch, the reference SD3 recipes' global_std=True), `group` (std over the group, the paper's formula) or `none`."})
@@ -126,10 +126,9 @@ class FlowRLConfig:
         need(self.trust_region in TRUST_REGIONS, "trust_region", f"must be one of {TRUST_REGIONS}")
         need(isinstance(self.clip_range, (int, float)) and 0 < self.clip_range < 1, "clip_range", "must be in (0, 1)")
         need(self.kl_mask_mode in KL_MASK_MODES, "kl_mask_mode", f"must be one of {KL_MASK_MODES}")
-        if self.kl_mask_delta is None and self.sampler in KL_MASK_DELTAS:
-            self.kl_mask_delta = KL_MASK_DELTAS[self.sampler]
-        need(isinstance(self.kl_mask_delta, (int, float)) and math.isfinite(self.kl_mask_delta)
-             and self.kl_mask_delta >= 0, "kl_mask_delta", "must be a finite number >= 0, or None for the kernel's default")
+        need(self.kl_mask_delta is None or isinstance(self.kl_mask_delta, (int, float))
+             and not isinstance(self.kl_mask_delta, bool) and math.isfinite(self.kl_mask_delta)
+             and self.kl_mask_delta >= 0, "kl_mask_delta", "must be a finite number >= 0, or None for the default")
         need(self.finetune in ("lora", "full"), "finetune", "must be `lora` or `full`")
         need(self.optim in ("adamw_torch", "adamw_8bit"), "optim", "must be `adamw_torch` or `adamw_8bit`")
         need(math.isfinite(self.noise_level) and self.noise_level > 0, "noise_level", "must be > 0 (0 makes every step deterministic: nothing to train)")
@@ -187,5 +186,16 @@ class FlowRLConfig:
         """Trajectories per iteration over all processes."""
         return self.prompts_per_step * self.num_generations
 
+    @property
+    def resolved_kl_mask_delta(self) -> float:
+        """``kl_mask_delta``, or its default when None (read at use, never stored in the field, so
+        ``dataclasses.replace`` of another field keeps meaning "the default")."""
+        return DEFAULT_KL_MASK_DELTA if self.kl_mask_delta is None else float(self.kl_mask_delta)
+
+    def resolved_defaults(self) -> dict:
+        """The values that the fields left at None stand for, under this config (for logs, checkpoints, cards)."""
+        return {"kl_mask_delta": self.resolved_kl_mask_delta}
+
     def to_dict(self) -> dict:
+        """The fields as set (None stays None: "the default"); ``resolved_defaults()`` gives what they mean."""
         return asdict(self)

@@ -55,10 +55,10 @@ class FlowGRPOTrainer(FlowRLTrainer):
         kl_old = old_policy_kl(rollout.means[idx, k], out.mean, out.std)  # frozen mu_old vs mu_theta, (B,)
         if cfg.trust_region == "kl_mask":
             loss, stats = kl_masked_policy_loss(out.log_prob, rollout.log_probs[idx, k], adv, kl_old,
-                                                cfg.kl_mask_delta, weights=weights, mode=cfg.kl_mask_mode)
+                                                cfg.resolved_kl_mask_delta, weights=weights, mode=cfg.kl_mask_mode)
         else:
             loss, stats = clipped_policy_loss(out.log_prob, rollout.log_probs[idx, k], adv, cfg.clip_range,
-                                              weights=weights)
+                                              weights=weights, weight_placement=self.weight_placement)
             stats["kl_old"] = kl_old
         if cfg.beta > 0:
             kl = self.kl_penalty(rollout, k, out)
@@ -66,7 +66,10 @@ class FlowGRPOTrainer(FlowRLTrainer):
             stats["kl"] = kl.detach()
         return masked_mean(loss, rollout.train_mask[idx, k]), stats
 
+    #: Where ``importance_weights`` enter the clipped objective (:data:`trl_flow.losses.WEIGHT_PLACEMENTS`).
+    weight_placement = "objective"
+
     def importance_weights(self, rollout, idx, k):
-        """(B,) detached weights on the unclipped (clip) or kept (kl_mask) term, or None (on-policy). OP-GRPO
-        overrides this."""
+        """(B,) detached weights multiplying the sample's objective (clip: ``w * max(...)``; kl_mask: the kept term),
+        or None (on-policy). OP-GRPO overrides this."""
         return None
