@@ -1,16 +1,22 @@
 """The shapes benchmark: do the methods' claims hold on a laptop?
 
-Trains trl_flow trainers on the committed tiny SD3 shapes base model under equal budgets (same iterations, same
+Trains trl_flow trainers on a committed tiny SD3 shapes base model under equal budgets (same iterations, same
 prompts and group size per iteration), several seeds, and evaluates every ``--eval-every`` iterations with the
-ODE sampler (fixed noise) on prompts RL never trains on:
+ODE sampler on noise never used in training (seed 1234; each image of a repeated prompt has its own draw).
 
-* ``val``: the held-out split of the same grammar (``grammar.val_prompts``: 20% of the train-split prompts, never
-  trained on by RL), the benchmark's primary split;
-* ``test``: the stricter held-out-pairs split (``grammar.test_prompts``: object pairs never seen together in any
-  training prompt, nor in pretraining).
+Tiers (``--tier``, ``TIERS``), each its own output folder, all on the noisy-caption base unless ``--base clean``:
 
-The task (``TASK``): RL trains on the train-split prompts of ``TASK["categories"]`` (minus ``val``) with the
-``TASK["reward"]`` reward; the score is the detector's ``partial`` accuracy on ``val`` (strict is reported too).
+* tier 1, one prompt (the CartPole of this task): RL trains on one position prompt and is scored on it;
+* tier 2, a fixed set of 8 position prompts, scored on those prompts (the papers' training curves); the
+  acceptance tier;
+* tier 3, a category (position), scored on held-out prompts RL never trains on: ``val`` (the held-out split of
+  the same grammar, ``grammar.val_prompts``: 20% of the train-split prompts) and ``test`` (the stricter
+  held-out-pairs split, ``grammar.test_prompts``: object pairs never seen together in any training prompt);
+* tier 0, the hard track: tier 3 on the clean base with the partial reward (``benchmarks/results/shapes``, where
+  no setting learned: docs/benchmarks.md, "The signal search").
+
+Tiers 1 and 2 also report ``val`` (does what is learned on the trained prompts carry over?). The score and the
+training reward of a tier are stated in ``TIERS``; strict and partial are both reported.
 Per evaluation it records strict / partial per category, shape cleanliness (not rewarded: catches reward hacking)
 and the exact-kernel KL to the base model along the policy's ODE trajectories; per iteration the rollout reward,
 clip / mask fractions and CPU seconds per phase. The search that chose this task and ``BASE`` is in
@@ -21,9 +27,14 @@ Outputs in ``--out``: ``results.json`` (every curve), ``summary.json`` (what a s
 and the acceptance checks), ``table.md``, ``score_vs_step.png``, ``score_vs_cpu.png``, ``score_vs_kl.png``.
 Target for steps-to-target: base + ``TARGET_FRACTION`` x Flow-GRPO's mean final gain over the base.
 
-    python benchmarks/shapes.py --quick                               # smoke run (~1 min), run by the test suite
-    python benchmarks/shapes.py --jobs 2                              # Flow-GRPO + OP-GRPO, 3 seeds (~30 CPU-min)
-    python benchmarks/shapes.py --jobs 2 --methods flow_grpo stepwise # any subset; finished runs are reused
+    python benchmarks/shapes.py --quick                                   # smoke run (~1 min), run by the test suite
+    python benchmarks/shapes.py --tier 2 --jobs 2                         # the four methods, 3 seeds each
+    python benchmarks/shapes.py --tier 2 --jobs 2 --seeds 0 --lrs 5e-4 1e-3 2e-3 4e-3   # learning-rate sweep
+    python benchmarks/shapes.py --tier 0 --jobs 2 --methods flow_grpo stepwise           # any subset; runs reused
+
+A run is stored as ``runs/<method>[@<lr>]_seed<seed>.json`` in the tier's folder and reused when present (delete
+it after changing the harness). Without ``--lrs`` each method runs at its swept learning rate for the tier
+(``SWEPT_LR``, chosen from the committed sweep, docs/benchmarks.md) or ``BASE``'s.
 """
 
 from __future__ import annotations
@@ -39,13 +50,36 @@ import time
 
 import torch
 
-SCORE = "partial"  # the benchmark's score: the detector's partial accuracy (strict is reported too)
-PRIMARY = "val"  # the held-out split of the same grammar; "test" is the stricter held-out-pairs split
 TARGET_FRACTION = 0.8
 KL_NOISE_LEVEL = 0.7  # KL to the base model is measured with the flow_sde kernel at this noise level for every method
+EVAL_SEED = 1234
 
-# The task: what RL trains on and with which reward (docs/benchmarks.md, "The signal search").
-TASK = dict(categories=("position",), reward="partial")
+# The tiers. train: what RL trains on (a list of prompts, or "category:<name>" for the train split of a category
+# minus val); evals: split name -> what it scores (a list of prompts, or "val:<category>" / "test:<category>")
+# and how many images per split; primary / score: the split and the detector score of the tier's result;
+# reward: the training reward (shapes_<name> in the reward registry).
+TIER1_PROMPTS = ["a red circle to the left of a blue triangle"]
+TIER2_PROMPTS = [  # the first 8 RL-train position prompts naming two colours, in md5 order of the prompt text
+    "a blue circle below a red circle", "a green circle to the left of a blue triangle",
+    "a red circle to the left of a blue triangle", "a red square above a blue circle",
+    "a green triangle above a red square", "a blue circle to the left of a red square",
+    "a green triangle to the left of a red square", "a green triangle to the right of a red square",
+]
+TIERS = {
+    0: dict(base="clean", train="category:position", evals={"val": ("val:position", 100), "test": ("test:position", 100)},
+            primary="val", score="partial", reward="partial", steps=50, eval_every=10),
+    1: dict(base="noisy", train=TIER1_PROMPTS, evals={"trained": (TIER1_PROMPTS, 64), "val": ("val:position", 64)},
+            primary="trained", score="strict", reward="dense", steps=30, eval_every=5),
+    2: dict(base="noisy", train=TIER2_PROMPTS, evals={"trained": (TIER2_PROMPTS, 128), "val": ("val:position", 64)},
+            primary="trained", score="strict", reward="dense", steps=40, eval_every=5),
+    3: dict(base="noisy", train="category:position",
+            evals={"val": ("val:position", 100), "test": ("test:position", 100)},
+            primary="val", score="strict", reward="dense", steps=50, eval_every=10),
+}
+# Learning rate per (tier, method) chosen by the committed sweep (docs/benchmarks.md); others use BASE's.
+SWEPT_LR: dict[int, dict[str, float]] = {}
+# Acceptance of tier 2 (issue 18): Flow-GRPO's final score on the trained prompts beats the base by these.
+ACCEPT_GAIN, ACCEPT_STDS, ACCEPT_CPU_MIN = 0.15, 3.0, 15.0
 
 # Shared by every method: the equal budget (reference-parity defaults: batch std, detached unconditional branch).
 BASE = dict(
@@ -84,64 +118,92 @@ DEFAULT_METHODS = ["flow_grpo", "op_grpo"]
 
 
 # ----------------------------------------------------------------------------------------------- one run
-def task_prompts():
+def _category_prompts(split: str, category: str) -> list[str]:
     from trl_flow.tasks.shapes import grammar
 
-    return grammar.rl_train_prompts(categories=TASK["categories"])
+    ds = {"val": grammar.val_prompts, "test": grammar.test_prompts}[split]()
+    return [p for p, c in zip(ds["prompt"], ds["category"]) if c == category]
 
 
-def eval_sets(per_category: int) -> dict[str, tuple[list[str], list[str]]]:
-    """Fixed evaluation prompts of the task's categories: ``per_category`` draws (seeded, with replacement) per
-    category from the ``val`` and the ``test`` split."""
+def train_prompts(tier: dict) -> list[str]:
+    if isinstance(tier["train"], str):
+        from trl_flow.tasks.shapes import grammar
+
+        return list(grammar.rl_train_prompts(categories=(tier["train"].split(":", 1)[1],))["prompt"])
+    return list(tier["train"])
+
+
+def eval_sets(tier: dict, scale: float = 1.0) -> dict[str, tuple[list[str], list[str]]]:
+    """Fixed evaluation prompts per split: a prompt list repeated to ``n`` images, or ``n`` seeded draws (with
+    replacement) from the ``val`` / ``test`` prompts of a category."""
     import numpy as np
 
     from trl_flow.tasks.shapes import grammar
 
     out = {}
-    for split, ds in (("val", grammar.val_prompts()), ("test", grammar.test_prompts())):
-        rng = np.random.default_rng(1234)
-        prompts, cats = [], []
-        for cat in TASK["categories"]:
-            pool = [p for p, c in zip(ds["prompt"], ds["category"]) if c == cat]
-            prompts += [pool[i] for i in rng.integers(0, len(pool), per_category)]
-            cats += [cat] * per_category
+    for split, (source, n) in tier["evals"].items():
+        n = max(1, int(n * scale))
+        if isinstance(source, str):
+            which, cat = source.split(":", 1)
+            pool = _category_prompts(which, cat)
+            rng = np.random.default_rng(EVAL_SEED)
+            prompts = [pool[i] for i in rng.integers(0, len(pool), n)]
+        else:
+            prompts = [source[i % len(source)] for i in range(n)]
+        cats = [grammar.parse_prompt(p).category for p in prompts]
         out[split] = (prompts, cats)
     return out
 
 
-def evaluate(trainer, sets, kl_prompts: int = 64) -> dict:
+def evaluate(trainer, sets, primary: str, kl_prompts: int = 64) -> dict:
     from trl_flow.tasks import shapes
 
     t0 = time.process_time()
     out = {}
     with trainer.ema_weights():
         for split, (prompts, cats) in sets.items():
-            images, _ = trainer.generate(prompts, seed=1234)
+            images, _ = trainer.generate(prompts, seed=EVAL_SEED)
             out[split] = shapes.evaluate(images, prompts, cats)
-        val = sets[PRIMARY][0]
+        prompts = sets[primary][0]
         # one kernel for every method (flow_sde, a = 0.7), so that methods trained with ddim compare
-        out["kl"] = float(trainer.kl_to_reference(val[: min(len(val), kl_prompts)], seed=1234, sampler="flow_sde",
-                                                  noise_level=KL_NOISE_LEVEL).mean())
+        out["kl"] = float(trainer.kl_to_reference(prompts[: min(len(prompts), kl_prompts)], seed=EVAL_SEED,
+                                                  sampler="flow_sde", noise_level=KL_NOISE_LEVEL).mean())
     out["eval_cpu_s"] = time.process_time() - t0
     return out
 
 
-def run_one(method: str, seed: int, steps: int, eval_every: int, per_category: int, out: str) -> dict:
-    import trl_flow
+def load_base(name: str):
     from trl_flow.tasks import shapes
 
-    cfg_name, tr_name, overrides = METHODS[method]
-    cfg_cls, tr_cls = getattr(trl_flow, cfg_name), getattr(trl_flow, tr_name)
-    kwargs = {**BASE, **overrides, "seed": seed, "max_steps": steps,
-              "output_dir": os.path.join(out, "runs", f"{method}_seed{seed}")}
-    kwargs = {k: v for k, v in kwargs.items() if k in cfg_cls.__dataclass_fields__}
-    config = cfg_cls(**kwargs)
+    return shapes.load_base_pipeline() if name == "clean" else shapes.load_base_pipeline(variant=name)
+
+
+def parse_label(label: str) -> tuple[str, float | None]:
+    """``method`` or ``method@lr``."""
+    method, _, lr = label.partition("@")
+    return method, (float(lr) if lr else None)
+
+
+def run_one(label: str, seed: int, tier_id: int, steps: int, eval_every: int, eval_scale: float, out: str,
+            base_name: str | None = None) -> dict:
+    import trl_flow
     from trl_flow.rewards import get_reward
 
-    reward = get_reward(f"shapes_{TASK['reward']}")  # the registry's shapes_partial / shapes_strict / shapes_dense
-    trainer = tr_cls(config, shapes.load_base_pipeline(), [reward], train_dataset=task_prompts())
-    sets = eval_sets(per_category)
-    evals = [{"step": 0, "cpu_s": 0.0, **evaluate(trainer, sets)}]
+    tier = TIERS[tier_id]
+    base_name = base_name or tier["base"]
+    method, lr = parse_label(label)
+    cfg_name, tr_name, overrides = METHODS[method]
+    cfg_cls, tr_cls = getattr(trl_flow, cfg_name), getattr(trl_flow, tr_name)
+    lr = lr if lr is not None else SWEPT_LR.get(tier_id, {}).get(method, BASE["learning_rate"])
+    kwargs = {**BASE, **overrides, "learning_rate": lr, "seed": seed, "max_steps": steps,
+              "output_dir": os.path.join(out, "runs", f"{label}_seed{seed}")}
+    kwargs = {k: v for k, v in kwargs.items() if k in cfg_cls.__dataclass_fields__}
+    config = cfg_cls(**kwargs)
+    reward = get_reward(f"shapes_{tier['reward']}")  # the registry's shapes_partial / shapes_strict / shapes_dense
+    trainer = tr_cls(config, load_base(base_name), [reward], train_dataset=train_prompts(tier))
+    sets = eval_sets(tier, eval_scale)
+    primary, score = tier["primary"], tier["score"]
+    evals = [{"step": 0, "cpu_s": 0.0, **evaluate(trainer, sets, primary)}]
     iters, cpu = [], 0.0
     for step in range(steps):
         t0 = time.process_time()
@@ -150,14 +212,21 @@ def run_one(method: str, seed: int, steps: int, eval_every: int, per_category: i
         cpu += time.process_time() - t0
         iters.append({"step": step + 1, "cpu_s": cpu, **{k: float(v) for k, v in m.items()}})
         if (step + 1) % eval_every == 0 or step + 1 == steps:
-            evals.append({"step": step + 1, "cpu_s": cpu, **evaluate(trainer, sets)})
+            evals.append({"step": step + 1, "cpu_s": cpu, **evaluate(trainer, sets, primary)})
             e = evals[-1]
-            print(f"[{method} seed {seed}] step {step + 1}/{steps} reward {m['reward']:.3f} "
-                  f"{PRIMARY} {e[PRIMARY]['overall'][SCORE]:.3f} test {e['test']['overall'][SCORE]:.3f} "
-                  f"kl {e['kl']:.4f} ({cpu:.0f} cpu-s)", flush=True)
-    return {"method": method, "seed": seed, "task": {**TASK, "categories": list(TASK["categories"])},
-            "config": {k: str(v) for k, v in config.to_dict().items()}, "iterations": iters, "evals": evals,
-            "cpu_s": cpu, "eval_cpu_s": sum(e["eval_cpu_s"] for e in evals)}
+            others = " ".join(f"{k} {e[k]['overall'][score]:.3f}" for k in sets if k != primary)
+            print(f"[tier {tier_id} {label} seed {seed}] step {step + 1}/{steps} reward {m['reward']:.3f} "
+                  f"{primary} {e[primary]['overall'][score]:.3f} {others} kl {e['kl']:.4f} ({cpu:.0f} cpu-s)",
+                  flush=True)
+    return {"method": label, "seed": seed, "tier": tier_id, "base_model": base_name, "learning_rate": lr,
+            "task": _task(tier), "config": {k: str(v) for k, v in config.to_dict().items()}, "iterations": iters,
+            "evals": evals, "cpu_s": cpu, "eval_cpu_s": sum(e["eval_cpu_s"] for e in evals)}
+
+
+def _task(tier: dict) -> dict:
+    return {"train": tier["train"] if isinstance(tier["train"], str) else list(tier["train"]),
+            "evals": {k: [v[0] if isinstance(v[0], str) else list(v[0]), v[1]] for k, v in tier["evals"].items()},
+            "primary": tier["primary"], "score": tier["score"], "reward": tier["reward"]}
 
 
 # --------------------------------------------------------------------------------------------- summary
@@ -168,85 +237,103 @@ def _ms(xs):
     return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
-def _final(run, split=PRIMARY, key=SCORE):
-    return run["evals"][-1][split]["overall"][key]
-
-
-def _first_reaching(evals, target, key):
-    for e in evals:
-        if e[PRIMARY]["overall"][SCORE] >= target - 1e-9:
-            return e[key]
-    return None
-
-
 def _mean_key(rows, key):
     vals = [r[key] for r in rows if key in r and not math.isnan(r[key])]
     return statistics.mean(vals) if vals else None
 
 
-def summarise(runs: list[dict]) -> dict:
+def _order(label: str):
+    method, lr = parse_label(label)
+    return (list(METHODS).index(method) if method in METHODS else len(METHODS), lr or 0.0)
+
+
+def summarise(runs: list[dict], tier_id: int) -> dict:
+    tier = TIERS[tier_id]
+    primary, score = tier["primary"], tier["score"]
+    splits = list(tier["evals"])
+
+    def final(run, split=primary, key=score):
+        return run["evals"][-1][split]["overall"][key]
+
+    def first_reaching(evals, target, key):
+        for e in evals:
+            if e[primary]["overall"][score] >= target - 1e-9:
+                return e[key]
+        return None
+
     by: dict[str, list[dict]] = {}
     for r in runs:
         by.setdefault(r["method"], []).append(r)
-    base = statistics.mean(r["evals"][0][PRIMARY]["overall"][SCORE] for r in runs)
-    base_test = statistics.mean(r["evals"][0]["test"]["overall"][SCORE] for r in runs)
-    base_clean = statistics.mean(r["evals"][0][PRIMARY]["overall"]["cleanliness"] for r in runs)
+    base = statistics.mean(r["evals"][0][primary]["overall"][score] for r in runs)
+    base_clean = statistics.mean(r["evals"][0][primary]["overall"]["cleanliness"] for r in runs)
+    ref = "flow_grpo" if "flow_grpo" in by else None
     target = None
-    if "flow_grpo" in by:
-        gain = statistics.mean(_final(r) for r in by["flow_grpo"]) - base
+    if ref:
+        gain = statistics.mean(final(r) for r in by[ref]) - base
         target = base + TARGET_FRACTION * gain if gain > 0 else None
-    summary = {"score": f"{SCORE} accuracy on the {PRIMARY} split (held-out prompts of the same grammar)",
-               "score_key": SCORE, "split": PRIMARY, "task": {**TASK, "categories": list(TASK["categories"])},
-               "base": base, "base_test": base_test, "target": target, "target_fraction": TARGET_FRACTION,
-               "methods": {}}
-    for m in sorted(by, key=lambda name: list(METHODS).index(name) if name in METHODS else len(METHODS)):
+    summary = {"tier": tier_id, "score": f"{score} accuracy on the {primary} split", "score_key": score,
+               "split": primary, "base_model": runs[0].get("base_model", tier["base"]), "task": _task(tier),
+               "base": base, "base_by_split": {sp: {k: statistics.mean(r["evals"][0][sp]["overall"][k] for r in runs)
+                                                    for k in ("strict", "partial")} for sp in splits},
+               "target": target, "target_fraction": TARGET_FRACTION, "methods": {}}
+    if "test" in splits:
+        summary["base_test"] = summary["base_by_split"]["test"][score]
+    for m in sorted(by, key=_order):
         rs = by[m]
-        finals = [_final(r) for r in rs]
+        finals = [final(r) for r in rs]
         s = {
-            "seeds": [r["seed"] for r in rs],
-            "final_mean": _ms(finals)[0], "final_std": _ms(finals)[1],
-            "final_strict": _ms([_final(r, key="strict") for r in rs]),
-            "final_test": _ms([_final(r, "test") for r in rs]),
-            "final_test_strict": _ms([_final(r, "test", "strict") for r in rs]),
-            "cleanliness_final": _ms([_final(r, key="cleanliness") for r in rs]),
+            "seeds": [r["seed"] for r in rs], "learning_rate": rs[0].get("learning_rate"),
+            "final_mean": _ms(finals)[0], "final_std": _ms(finals)[1], "final_per_seed": finals,
+            "final_by_split": {sp: {k: _ms([final(r, sp, k) for r in rs]) for k in ("strict", "partial")}
+                               for sp in splits},
+            "cleanliness_final": _ms([final(r, key="cleanliness") for r in rs]),
             "kl_final": _ms([r["evals"][-1]["kl"] for r in rs])[0],
+            "kl_final_ms": _ms([r["evals"][-1]["kl"] for r in rs]),
             "reward_first10": _ms([statistics.mean(i["reward"] for i in r["iterations"][:10]) for r in rs]),
             "reward_last10": _ms([statistics.mean(i["reward"] for i in r["iterations"][-10:]) for r in rs]),
             "clip_frac": _ms([_mean_key(r["iterations"], "clip_frac") for r in rs]),
             "clip_frac_off_policy": _ms([_mean_key(r["iterations"], "clip_frac_off_policy") for r in rs]),
+            "clip_frac_weighted_off_policy": _ms([_mean_key(r["iterations"], "clip_frac_weighted_off_policy")
+                                                  for r in rs]),
             "mask_frac": _ms([_mean_key(r["iterations"], "mask_frac") for r in rs]),
             "cpu_s_per_iter": _ms([r["cpu_s"] / len(r["iterations"]) for r in rs]),
             "cpu_s_per_run": _ms([r["cpu_s"] + r["eval_cpu_s"] for r in rs]),
+            "best_mean": _ms([max(e[primary]["overall"][score] for e in r["evals"]) for r in rs]),
         }
+        # legacy keys of the tier-0 schema
+        if "test" in splits:
+            s["final_test"] = s["final_by_split"]["test"][score]
+        s["final_strict"] = s["final_by_split"][primary]["strict"]
         s.update(steps_to_target=None, cpu_to_target=None, n_reached=0)  # relative to Flow-GRPO; None: no target
         if target is not None:
-            steps = [_first_reaching(r["evals"], target, "step") for r in rs]
-            cpus = [_first_reaching(r["evals"], target, "cpu_s") for r in rs]
-            s["steps_to_target_per_seed"] = steps
-            s["n_reached"] = sum(x is not None for x in steps)
-            s["cpu_to_target_per_seed"] = cpus
-            s["kl_at_target"] = _ms([_first_reaching(r["evals"], target, "kl") for r in rs])[0]
+            s["steps_to_target_per_seed"] = [first_reaching(r["evals"], target, "step") for r in rs]
+            s["cpu_to_target_per_seed"] = [first_reaching(r["evals"], target, "cpu_s") for r in rs]
+            s["n_reached"] = sum(x is not None for x in s["steps_to_target_per_seed"])
+            s["kl_at_target"] = _ms([first_reaching(r["evals"], target, "kl") for r in rs])[0]
         summary["methods"][m] = s
     if target is not None:
-        ref = summary["methods"]["flow_grpo"]
-        ref_steps = _ms(ref["steps_to_target_per_seed"])[0]
-        ref_cpu = _ms(ref["cpu_to_target_per_seed"])[0]
+        fg = summary["methods"][ref]
+        ref_steps = _ms(fg["steps_to_target_per_seed"])[0]
+        ref_cpu = _ms(fg["cpu_to_target_per_seed"])[0]
         for s in summary["methods"].values():
             st, ct = _ms(s["steps_to_target_per_seed"])[0], _ms(s["cpu_to_target_per_seed"])[0]
             s["steps_to_target"] = st / ref_steps if st and ref_steps else None
             s["cpu_to_target"] = ct / ref_cpu if ct and ref_cpu else None
-    if "flow_grpo" in summary["methods"]:
-        fg = summary["methods"]["flow_grpo"]
+    if ref:
+        fg = summary["methods"][ref]
         gain = fg["final_mean"] - base
+        need_gain = ACCEPT_GAIN if tier_id in (1, 2) else 0.08
+        need_cpu = ACCEPT_CPU_MIN if tier_id in (1, 2) else 25.0
         summary["acceptance"] = {
-            "gain": gain,
-            "gain_at_least_0.08": gain >= 0.08,
-            "gain_at_least_3_std": gain >= 3 * fg["final_std"] and len(fg["seeds"]) >= 3,
+            "gain": gain, "required_gain": need_gain,
+            "gain_ok": gain >= need_gain,
+            f"gain_at_least_{need_gain:g}": gain >= need_gain,
+            "gain_at_least_3_std": gain >= ACCEPT_STDS * fg["final_std"] and len(fg["seeds"]) >= 3,
             "training_reward_rises": fg["reward_last10"][0] > fg["reward_first10"][0],
             "cleanliness_drop": base_clean - fg["cleanliness_final"][0],
             "cleanliness_ok": base_clean - fg["cleanliness_final"][0] <= 0.01,
-            "cpu_s_per_run": fg["cpu_s_per_run"][0],
-            "within_25_cpu_minutes": fg["cpu_s_per_run"][0] <= 25 * 60,
+            "cpu_s_per_run": fg["cpu_s_per_run"][0], "cpu_minutes_limit": need_cpu,
+            "cpu_ok": fg["cpu_s_per_run"][0] <= need_cpu * 60,
         }
     return summary
 
@@ -260,51 +347,62 @@ def table(summary: dict) -> str:
     def rel(x, n, total):
         return f"{x:.2f}x ({n}/{total} reached)" if x is not None else f"n/a ({n}/{total} reached)"
 
-    t = summary.get("target")
-    lines = [f"Score: `{SCORE}` on the `{PRIMARY}` split (held-out prompts of the same grammar, categories "
-             f"{', '.join(summary['task']['categories'])}; ODE, fixed noise). Base model: {summary['base']:.3f} "
-             f"({summary['base_test']:.3f} on the held-out-pairs `test` split). Target = base + "
-             f"{TARGET_FRACTION:g} x Flow-GRPO's mean gain = " + (f"{t:.3f}." if t is not None else "n/a."), "",
-             "| method | seeds | final (val) | final strict (val) | final (test, held-out pairs) | cleanliness | "
-             "KL to base | steps-to-target | CPU-to-target | clip frac | off-policy clip frac | mask frac | "
-             "reward first 10 -> last 10 | CPU s/iter |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    t, primary, score = summary.get("target"), summary["split"], summary["score_key"]
+    other = "partial" if score == "strict" else "strict"
+    splits = list(summary["base_by_split"])
+    others = [sp for sp in splits if sp != primary]
+    base_txt = ", ".join(f"{sp} {v['strict']:.3f} strict / {v['partial']:.3f} partial"
+                         for sp, v in summary["base_by_split"].items())
+    lines = [f"Tier {summary['tier']}, base model `{summary['base_model']}`, training reward "
+             f"`shapes_{summary['task']['reward']}`. Score: `{score}` on the `{primary}` split (ODE, noise never "
+             f"used in training). Base: {base_txt}. Target = base + {TARGET_FRACTION:g} x Flow-GRPO's mean gain = "
+             + (f"{t:.3f}." if t is not None else "n/a."), "",
+             f"| method | lr | seeds | final {score} ({primary}) | final {other} ({primary}) | "
+             + "".join(f"final {score} ({sp}) | " for sp in others)
+             + "cleanliness | KL to base | steps-to-target | CPU-to-target | clip frac | off-policy clip frac | "
+             "mask frac | reward first 10 -> last 10 | CPU s/iter |",
+             "|" + "---|" * (14 + len(others))]
     for m, s in summary["methods"].items():
         n = len(s["seeds"])
+        fb = s["final_by_split"]
+        lr = s.get("learning_rate")
         lines.append(
-            f"| {m} | {n} | {f((s['final_mean'], s['final_std']))} | {f(s['final_strict'])} | {f(s['final_test'])} | "
-            f"{f(s['cleanliness_final'], 4)} | {s['kl_final']:.4f} | "
+            f"| {m} | {'n/a' if lr is None else format(lr, 'g')} | {n} | {f((s['final_mean'], s['final_std']))} | "
+            f"{f(fb[primary][other])} | " + "".join(f"{f(fb[sp][score])} | " for sp in others)
+            + f"{f(s['cleanliness_final'], 4)} | {s['kl_final']:.4f} | "
             f"{rel(s.get('steps_to_target'), s.get('n_reached', 0), n)} | "
             f"{rel(s.get('cpu_to_target'), s.get('n_reached', 0), n)} | {f(s['clip_frac'])} | "
             f"{f(s['clip_frac_off_policy'])} | {f(s['mask_frac'])} | "
             f"{s['reward_first10'][0]:.3f} -> {s['reward_last10'][0]:.3f} | {f(s['cpu_s_per_iter'], 2)} |")
     if "acceptance" in summary:
         a = summary["acceptance"]
-        lines += ["", f"Acceptance (Flow-GRPO): gain {a['gain']:+.3f} (>= 0.08: {a['gain_at_least_0.08']}; >= 3 std: "
-                  f"{a['gain_at_least_3_std']}); training reward rises: {a['training_reward_rises']}; cleanliness "
-                  f"drop {a['cleanliness_drop']:+.4f} (<= 0.01: {a['cleanliness_ok']}); CPU per run "
-                  f"{a['cpu_s_per_run'] / 60:.1f} min (<= 25: {a['within_25_cpu_minutes']})."]
+        lines += ["", f"Acceptance (Flow-GRPO): gain {a['gain']:+.3f} (>= {a['required_gain']:g}: {a['gain_ok']}; "
+                  f">= 3 std: {a['gain_at_least_3_std']}); training reward rises: {a['training_reward_rises']}; "
+                  f"cleanliness drop {a['cleanliness_drop']:+.4f} (<= 0.01: {a['cleanliness_ok']}); CPU per run "
+                  f"{a['cpu_s_per_run'] / 60:.1f} min (<= {a['cpu_minutes_limit']:g}: {a['cpu_ok']})."]
     return "\n".join(lines) + "\n"
 
 
-def plot(runs: list[dict], out: str) -> None:
+def plot(runs: list[dict], summary: dict, out: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    methods = [m for m in METHODS if any(r["method"] == m for r in runs)]
+    primary, score = summary["split"], summary["score_key"]
+    labels = sorted({r["method"] for r in runs}, key=_order)
     for xkey, fname, xlabel in (("step", "score_vs_step.png", "iteration"),
                                 ("cpu_s", "score_vs_cpu.png", "CPU seconds (one core, training only)"),
                                 ("kl", "score_vs_kl.png", "KL to base model")):
         fig, ax = plt.subplots(figsize=(6, 4))
-        for i, m in enumerate(methods):
+        for i, m in enumerate(labels):
             for j, r in enumerate([r for r in runs if r["method"] == m]):
                 xs = [e[xkey] for e in r["evals"]]
-                ys = [e[PRIMARY]["overall"][SCORE] for e in r["evals"]]
+                ys = [e[primary]["overall"][score] for e in r["evals"]]
                 ax.plot(xs, ys, color=f"C{i % 10}", alpha=0.8, marker=".", label=m if j == 0 else None)
         ax.set_xlabel(xlabel)
-        ax.set_ylabel(f"{SCORE} accuracy ({PRIMARY} prompts)")
+        ax.set_ylabel(f"{score} accuracy ({primary} prompts)")
+        ax.set_title(f"shapes tier {summary['tier']}", fontsize=9)
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
         fig.tight_layout()
@@ -312,54 +410,71 @@ def plot(runs: list[dict], out: str) -> None:
         plt.close(fig)
 
 
-def write_outputs(runs, args: dict, out: str) -> dict:
-    summary = summarise(runs)
+def write_outputs(runs, args: dict, out: str, tier_id: int) -> dict:
+    summary = summarise(runs, tier_id)
     with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump({"args": args, "base": BASE, "task": summary["task"], "summary": summary, "runs": runs}, f)
+        json.dump({"args": args, "base": BASE, "tier": tier_id, "task": summary["task"], "summary": summary,
+                   "runs": runs}, f)
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     text = table(summary)
     with open(os.path.join(out, "table.md"), "w") as f:
         f.write(text)
-    plot(runs, out)
+    plot(runs, summary, out)
     print(text)
     return summary
 
 
 # ------------------------------------------------------------------------------------------------ main
-def _run_file(out, method, seed):
-    return os.path.join(out, "runs", f"{method}_seed{seed}.json")
+def _run_file(out, label, seed):
+    return os.path.join(out, "runs", f"{label}_seed{seed}.json")
+
+
+def default_out(tier_id: int) -> str:
+    return "benchmarks/results/shapes" if tier_id == 0 else f"benchmarks/results/shapes_tier{tier_id}"
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=list(METHODS))
+    ap.add_argument("--tier", type=int, default=2, choices=sorted(TIERS))
+    ap.add_argument("--methods", nargs="+", default=None, choices=list(METHODS),
+                    help="default: flow_grpo op_grpo stepwise flow_dppo (tier 0: flow_grpo op_grpo)")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--eval-every", type=int, default=10)
-    ap.add_argument("--per-category", type=int, default=100, help="eval prompts per category and split")
+    ap.add_argument("--lrs", nargs="+", type=float, default=None,
+                    help="learning-rate sweep: every method at every rate (runs labelled method@lr)")
+    ap.add_argument("--steps", type=int, default=None, help="iterations (default: the tier's)")
+    ap.add_argument("--eval-every", type=int, default=None, help="default: the tier's")
+    ap.add_argument("--eval-scale", type=float, default=1.0, help="scales the tier's evaluation image counts")
+    ap.add_argument("--base", default=None, help="base model: clean or noisy (default: the tier's)")
     ap.add_argument("--jobs", type=int, default=1, help="runs in parallel, one single-threaded process each")
-    ap.add_argument("--out", default="benchmarks/results/shapes")
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/shapes_tier<N> (tier 0: .../shapes)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 1 seed, flow_grpo + op_grpo, 3 iterations")
     ap.add_argument("--summarise-only", action="store_true", help="rebuild the outputs from --out/runs/*.json")
     ap.add_argument("--run-one", nargs=2, metavar=("METHOD", "SEED"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    tier = TIERS[args.tier]
+    args.out = args.out or default_out(args.tier)
+    args.steps = args.steps or tier["steps"]
+    args.eval_every = args.eval_every or tier["eval_every"]
+    if args.methods is None:
+        args.methods = ["flow_grpo", "op_grpo"] if args.tier == 0 else ["flow_grpo", "op_grpo", "stepwise", "flow_dppo"]
     if args.quick:
-        args.methods, args.seeds, args.steps, args.eval_every, args.per_category = (
-            ["flow_grpo", "op_grpo"], [0], 3, 2, 4)
+        args.methods, args.seeds, args.steps, args.eval_every, args.eval_scale = (
+            ["flow_grpo", "op_grpo"], [0], 3, 2, 4 / max(n for _, n in tier["evals"].values()))
         BASE.update(prompts_per_step=4, num_generations=4, per_device_train_batch_size=16, num_inference_steps=6,
                     eval_num_inference_steps=10)
     os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
     if args.run_one:
         torch.set_num_threads(1)
-        method, seed = args.run_one[0], int(args.run_one[1])
-        run = run_one(method, seed, args.steps, args.eval_every, args.per_category, args.out)
-        tmp = _run_file(args.out, method, seed) + ".tmp"
+        label, seed = args.run_one[0], int(args.run_one[1])
+        run = run_one(label, seed, args.tier, args.steps, args.eval_every, args.eval_scale, args.out, args.base)
+        tmp = _run_file(args.out, label, seed) + ".tmp"
         with open(tmp, "w") as f:
             json.dump(run, f)
-        os.replace(tmp, _run_file(args.out, method, seed))
+        os.replace(tmp, _run_file(args.out, label, seed))
         return run
-    todo = [(m, s) for s in args.seeds for m in args.methods]
+    labels = [m if args.lrs is None else f"{m}@{lr:g}" for m in args.methods for lr in (args.lrs or [None])]
+    todo = [(m, s) for s in args.seeds for m in labels]
     if not args.summarise_only:
         missing = [(m, s) for m, s in todo if not os.path.exists(_run_file(args.out, m, s))]
         if args.jobs <= 1 or args.quick:
@@ -379,12 +494,13 @@ def main(argv=None):
             if name.endswith(".json"):
                 with open(os.path.join(args.out, "runs", name)) as f:
                     runs.append(json.load(f))
-    return write_outputs(runs, {k: v for k, v in vars(args).items() if k != "run_one"}, args.out)
+    return write_outputs(runs, {k: v for k, v in vars(args).items() if k != "run_one"}, args.out, args.tier)
 
 
 def _passthrough(args) -> list[str]:
-    out = ["--steps", str(args.steps), "--eval-every", str(args.eval_every), "--per-category",
-           str(args.per_category), "--out", args.out]
+    out = ["--tier", str(args.tier), "--steps", str(args.steps), "--eval-every", str(args.eval_every),
+           "--eval-scale", str(args.eval_scale), "--out", args.out]
+    out += ["--base", args.base] if args.base else []
     return out + (["--quick"] if args.quick else [])
 
 
@@ -392,6 +508,7 @@ def _run_parallel(todo, args) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     running: list[subprocess.Popen] = []
     queue = list(todo)
+    failed = []
     while queue or running:
         while queue and len(running) < args.jobs:
             m, s = queue.pop(0)
@@ -402,7 +519,9 @@ def _run_parallel(todo, args) -> None:
             if p.poll() is not None:
                 running.remove(p)
                 if p.returncode:
-                    raise SystemExit(f"run {p.args[-2:]} failed with exit code {p.returncode}")
+                    failed.append((p.args[-2:], p.returncode))
+    if failed:
+        raise SystemExit(f"runs failed: {failed}")
 
 
 if __name__ == "__main__":
