@@ -103,8 +103,9 @@ METHODS = {
     "flow_grpo_reference_kl": ("FlowGRPOConfig", "FlowGRPOTrainer", {"beta": 0.04, "kl_form": "reference"}),
     "flow_grpo_cfg_both": ("FlowGRPOConfig", "FlowGRPOTrainer", {"guidance_grad": "both"}),
     "flow_grpo_group_std": ("FlowGRPOConfig", "FlowGRPOTrainer", {"scale_rewards": "group"}),
-    # Flow-DPPO (KL-mask trust region, paper delta 1e-7 for flow_sde) and its controls; beta stays BASE's 0 for all.
+    # Flow-DPPO (KL-mask trust region, the released code's delta 1e-5) and its controls; beta stays BASE's 0 for all.
     "flow_dppo": ("FlowDPPOConfig", "FlowDPPOTrainer", {"num_inner_epochs": 2}),
+    "flow_dppo_paper_delta": ("FlowDPPOConfig", "FlowDPPOTrainer", {"num_inner_epochs": 2, "kl_mask_delta": 1e-7}),
     "flow_dppo_1epoch": ("FlowDPPOConfig", "FlowDPPOTrainer", {"num_inner_epochs": 1}),
     "flow_grpo_2epochs": ("FlowGRPOConfig", "FlowGRPOTrainer", {"num_inner_epochs": 2}),
     "flow_dppo_symmetric": ("FlowDPPOConfig", "FlowDPPOTrainer", {"num_inner_epochs": 2, "kl_mask_mode": "symmetric"}),
@@ -113,6 +114,11 @@ METHODS = {
     "stepwise": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {}),
     "stepwise_per_step": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {"gain_normalization": "per_step"}),
     "stepwise_t1": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {"num_substeps": 1}),
+    # which kernel / noise / clip make Stepwise learn (issue 16): ddim's early stds are tiny, so its clip binds sooner
+    "stepwise_eta1": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {"noise_level": 1.0}),
+    "stepwise_flow_sde": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {"sampler": "flow_sde"}),
+    "stepwise_clip5e-3": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {"clip_range": 5e-3}),
+    "op_grpo_unclipped_term": ("OPGRPOConfig", "OPGRPOTrainer", {"importance_weight_placement": "unclipped_term"}),
 }
 DEFAULT_METHODS = ["flow_grpo", "op_grpo"]
 
