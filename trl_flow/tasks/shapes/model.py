@@ -23,7 +23,10 @@ guidance 3, 20 steps). :func:`generate` passes it.
 
 Committed base checkpoint (``scripts/pretrain_shapes.py --minutes 32``: 9,035 steps, 22 min, 1 thread; raw
 weights, shift 3; see ``base_model/training_info.json``): strict / partial accuracy at guidance 3, 20 steps,
-40 prompts per category: train prompts 0.325 / 0.632, held-out test prompts 0.265 / 0.580.
+40 prompts per category, with today's detector (corner-occupancy square rule): train prompts 0.420 / 0.687,
+held-out test prompts 0.340 / 0.643 (0.325 / 0.632 and 0.265 / 0.580 with the earlier fill-ratio rule, as the
+training log recorded). ``base_model_noisy/`` (``load_base_pipeline(variant="noisy")``) is that checkpoint
+fine-tuned on noisy captions (docs/shapes.md): train 0.360 / 0.655, test 0.340 / 0.625.
 """
 
 from __future__ import annotations
