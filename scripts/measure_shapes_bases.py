@@ -100,7 +100,7 @@ def summarize_features(rows):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variants", default="default,noisy")
+    ap.add_argument("--variants", default="clean,noisy")
     ap.add_argument("--per-category", type=int, default=40)
     ap.add_argument("--group-prompts", type=int, default=16)
     ap.add_argument("--group-size", type=int, default=8)
