@@ -10,7 +10,7 @@ setup(
     packages=find_packages(include=["trl_flow", "trl_flow.*"]),
     include_package_data=True,
     package_data={
-        "trl_flow.tasks.shapes": ["base_model/**/*", "base_model/*"],
+        "trl_flow.tasks.shapes": ["base_model/**/*", "base_model/*", "base_model_noisy/**/*", "base_model_noisy/*"],
         "trl_flow": ["accelerate_configs/*.yaml", "recipes/*.yaml", "recipes/*.md", "templates/*.md"],
     },
     entry_points={"console_scripts": ["trl-flow=trl_flow.cli:main"]},

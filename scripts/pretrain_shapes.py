@@ -5,6 +5,11 @@
 
 1. Renders ``--num-images`` ground-truth images of the TRAIN prompts (test prompts are never used), category
    weights ``--category-weights``, and encodes them with the hand-set VAE (latents (N, 3, 16, 16)).
+   Caption noise (``--flip-relation-prob``, ``--swap-colors-prob``, ``--count-off-prob``): each image keeps
+   the prompt it was rendered for, but its caption gets planted errors (``grammar.noisy_caption``), each with
+   its own probability; a noisy caption that would be a held-out test prompt is replaced by the clean one.
+   ``--init-from DIR`` fine-tunes an existing ``save_pretrained`` pipeline (its text encoders and VAE are
+   kept) instead of training a fresh transformer.
 2. Trains the ``SD3Transformer2DModel`` with rectified flow: x_t = (1 - t) x0 + t eps, target eps - x0,
    logit-normal t, 10% empty captions, AdamW (0.9, 0.99), clip 1, warm-up then cosine decay to 0 over the run,
    EMA. The number of steps is fixed up front: ``--steps``, or measured from ``--minutes`` after a short timing
@@ -23,6 +28,7 @@ import math
 import os
 import sys
 import time
+from collections import Counter
 
 import numpy as np
 import torch
@@ -58,11 +64,22 @@ def parse_args(argv=None):
     p.add_argument("--save", choices=["best", "ema", "raw"], default="best")
     p.add_argument("--state", default=None, help="optional path to save raw + EMA transformer state dicts")
     p.add_argument("--log-every", type=int, default=100)
+    p.add_argument("--init-from", default=None,
+                   help="fine-tune this save_pretrained pipeline (e.g. trl_flow/tasks/shapes/base_model)")
+    p.add_argument("--flip-relation-prob", type=float, default=0.0,
+                   help="caption noise: a position caption names the opposite relation")
+    p.add_argument("--swap-colors-prob", type=float, default=0.0,
+                   help="caption noise: a pair caption swaps its two colours")
+    p.add_argument("--count-off-prob", type=float, default=0.0,
+                   help="caption noise: a single / counting caption names a count off by one")
     return p.parse_args(argv)
 
 
-def render_data(n: int, weights: dict[str, float], seed: int):
-    """Renders n training images; returns (uint8 images (n, 3, 32, 32), prompt indices (n,), prompt list)."""
+def render_data(n: int, weights: dict[str, float], seed: int, flip_relation: float = 0.0,
+                swap_colors: float = 0.0, count_off: float = 0.0):
+    """Renders n training images of the train prompts and captions them (with planted errors at the given
+    rates, see ``grammar.noisy_caption``). Returns (uint8 images (n, 3, 32, 32), caption indices (n,), caption
+    list (the train prompts first, then the noisy captions that are not train prompts), noise statistics)."""
     ds = grammar.train_prompts()
     prompts = list(ds["prompt"])
     by_cat = {c: [i for i, cc in enumerate(ds["category"]) if cc == c] for c in grammar.CATEGORIES}
@@ -73,7 +90,28 @@ def render_data(n: int, weights: dict[str, float], seed: int):
     cat_idx = rng.choice(len(cats), size=n, p=probs)
     idx = np.array([by_cat[cats[c]][rng.integers(len(by_cat[cats[c]]))] for c in cat_idx])
     images = np.stack([render(prompts[i], rng) for i in idx])
-    return images, idx, prompts
+    captions = list(prompts)
+    if flip_relation or swap_colors or count_off:
+        noise_rng = np.random.default_rng([seed, 1])
+        index = {p: i for i, p in enumerate(captions)}
+        stats = {"relation": 0, "colors": 0, "count": 0, "kept_clean_test": 0, "noisy": 0}
+        cap_idx = np.empty_like(idx)
+        for k, i in enumerate(idx):
+            cap, errors = grammar.noisy_caption(prompts[i], noise_rng, flip_relation, swap_colors, count_off)
+            if errors and grammar.is_test_spec(grammar.parse_prompt(cap)):
+                cap, errors = prompts[i], ()
+                stats["kept_clean_test"] += 1
+            for e in errors:
+                stats[e] += 1
+            stats["noisy"] += bool(errors)
+            if cap not in index:
+                index[cap] = len(captions)
+                captions.append(cap)
+            cap_idx[k] = index[cap]
+        per_cat = Counter(ds["category"][i] for i in idx)
+        stats["images_per_category"] = dict(per_cat)
+        return images, cap_idx, captions, stats
+    return images, idx, captions, {}
 
 
 def lr_at(step: int, total: int, warmup: int) -> float:
@@ -90,14 +128,21 @@ def main(argv=None):
     weights = {k: float(v) for k, v in (kv.split("=") for kv in args.category_weights.split(","))}
     print(f"args: {vars(args)}", flush=True)
 
-    pipe = model.build_pipeline(seed=args.seed)
+    if args.init_from:
+        pipe = model.load_base_pipeline(path=args.init_from)
+        print(f"fine-tuning {args.init_from}", flush=True)
+    else:
+        pipe = model.build_pipeline(seed=args.seed)
     transformer = pipe.transformer
     n_params = sum(p.numel() for p in transformer.parameters())
     print(f"transformer parameters: {n_params}", flush=True)
 
     # ---- data: images -> latents, prompts -> embeddings (frozen encoders, computed once)
     t0 = time.time()
-    images, prompt_idx, prompts = render_data(args.num_images, weights, args.seed)
+    images, prompt_idx, prompts, noise_stats = render_data(
+        args.num_images, weights, args.seed, args.flip_relation_prob, args.swap_colors_prob, args.count_off_prob)
+    if noise_stats:
+        print(f"caption noise: {noise_stats}", flush=True)
     with torch.no_grad():
         latents = []
         for i in range(0, len(images), 2048):
@@ -111,7 +156,7 @@ def main(argv=None):
         )  # (P + 1, 16 + MAX_SEQUENCE_LENGTH, 32), (P + 1, 64); last row = empty prompt
     empty = len(prompts)
     prompt_idx = torch.from_numpy(prompt_idx)
-    print(f"rendered/encoded {len(images)} images of {len(prompts)} train prompts in {time.time() - t0:.0f}s; "
+    print(f"rendered/encoded {len(images)} images with {len(prompts)} distinct captions in {time.time() - t0:.0f}s; "
           f"latents {tuple(latents.shape)} mean {latents.mean():.3f} std {latents.std():.3f}", flush=True)
     del images
 
@@ -218,6 +263,9 @@ def main(argv=None):
     info = {
         "command": "python scripts/pretrain_shapes.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "steps": total,
+        "init_from": args.init_from,
+        "caption_noise": {"flip_relation_prob": args.flip_relation_prob, "swap_colors_prob": args.swap_colors_prob,
+                          "count_off_prob": args.count_off_prob, "counts": noise_stats},
         "train_seconds": round(train_seconds, 1),
         "threads": args.threads,
         "final_loss_last200": round(final_loss, 4),

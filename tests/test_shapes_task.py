@@ -254,3 +254,118 @@ def test_dense_reward_is_graded_and_agrees_with_the_detector():
             x[:, ys.min(), xs.min() + i] = 0
         scores.append(reward.dense_score(x, "a red square"))
     assert all(a > b for a, b in zip(scores, scores[1:])), scores
+
+
+# ------------------------------------------------------------------------ caption noise, noisy-caption base
+
+
+def test_noisy_caption_flips_at_the_given_rates_and_is_seeded():
+    pos = [p for p, c in grammar.all_prompts() if c == "position"]
+    col = [p for p, c in grammar.all_prompts() if c == "colors"]
+    one = [p for p, c in grammar.all_prompts() if c in ("single", "counting")]
+    n = 3000
+    for prompts, kwargs, kind in [(pos, {"flip_relation": 0.3}, "relation"), (col, {"swap_colors": 0.25}, "colors"),
+                                  (one, {"count_off": 0.4}, "count")]:
+        rate = next(iter(kwargs.values()))
+        rng = np.random.default_rng(0)
+        flipped = 0
+        for i in range(n):
+            p = prompts[i % len(prompts)]
+            cap, errors = grammar.noisy_caption(p, rng, **kwargs)
+            spec, got = grammar.parse_prompt(p), grammar.parse_prompt(cap)  # every caption is in the grammar
+            assert errors in ((), (kind,))
+            if not errors:
+                assert cap == p
+                continue
+            flipped += 1
+            if kind == "relation":
+                assert got.objects == spec.objects and got.relation == grammar.OPPOSITE_RELATION[spec.relation]
+            elif kind == "colors":
+                a, b = spec.objects
+                assert [o.combo for o in got.objects] == [(b.color, a.shape), (a.color, b.shape)]
+            else:
+                assert got.objects[0].combo == spec.objects[0].combo
+                assert abs(got.objects[0].count - spec.objects[0].count) == 1 and got.category == "counting"
+        assert abs(flipped / n - rate) < 0.03, (kind, flipped / n)
+    # seeded: the same generator seed gives the same captions; probability 0 is the identity
+    a = [grammar.noisy_caption(p, np.random.default_rng(5), 0.5, 0.5, 0.5) for p in pos[:50]]
+    b = [grammar.noisy_caption(p, np.random.default_rng(5), 0.5, 0.5, 0.5) for p in pos[:50]]
+    assert a == b
+    rng = np.random.default_rng(1)
+    assert all(grammar.noisy_caption(p, rng) == (p, ()) for p in pos + col + one)
+    # swapping colours is a no-op in meaning for "a red circle and a blue circle": left alone
+    assert grammar.noisy_caption("a red circle and a blue circle", rng, swap_colors=1.0) == (
+        "a red circle and a blue circle", ())
+
+
+def test_pretrain_script_captions_with_noise_and_never_names_a_test_prompt():
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "pretrain_shapes.py")
+    spec = importlib.util.spec_from_file_location("pretrain_shapes", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    weights = {"position": 1.0}
+    images, cap_idx, captions, stats = mod.render_data(400, weights, seed=0, flip_relation=0.5)
+    clean_images, clean_idx, prompts, none = mod.render_data(400, weights, seed=0)
+    assert none == {} and np.array_equal(images, clean_images)  # same images, only the captions change
+    test = set(grammar.test_prompts()["prompt"])
+    assert not {captions[i] for i in cap_idx} & test
+    changed = np.mean([captions[c] != prompts[i] for c, i in zip(cap_idx, clean_idx)])
+    assert changed == stats["noisy"] / 400 and 0.4 < changed < 0.6
+    args = mod.parse_args(["--init-from", model.BASE_MODEL_DIR, "--flip-relation-prob", "0.4",
+                           "--swap-colors-prob", "0.1", "--count-off-prob", "0.2"])
+    assert (args.init_from, args.flip_relation_prob, args.swap_colors_prob, args.count_off_prob) == (
+        model.BASE_MODEL_DIR, 0.4, 0.1, 0.2)
+
+
+def test_noisy_base_variant_loads_and_differs_only_in_the_transformer(base_pipe):
+    import json
+
+    assert set(model.BASE_MODEL_VARIANTS) == {"clean", "noisy"}
+    d = model.NOISY_BASE_MODEL_DIR
+    total = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(d) for f in fs)
+    assert total < 8 * 2**20 and os.path.exists(os.path.join(d, "model_index.json"))
+    info = json.load(open(os.path.join(d, "training_info.json")))
+    assert "--steps" in info["command"] and "--init-from" in info["command"] and info["steps"] > 0
+    noisy = model.load_base_pipeline(variant="noisy")
+    for name in ("transformer", "vae", "text_encoder", "text_encoder_2"):
+        assert not getattr(noisy, name).training, name
+    assert noisy.scheduler.config.shift == model.BASE_SHIFT
+    sd_a, sd_b = base_pipe.text_encoder.state_dict(), noisy.text_encoder.state_dict()
+    assert all(torch.equal(sd_a[k], sd_b[k]) for k in sd_a)  # same frozen text encoders
+    ta, tb = base_pipe.transformer.state_dict(), noisy.transformer.state_dict()
+    assert any(not torch.equal(ta[k], tb[k]) for k in ta)  # fine-tuned transformer
+    images = model.generate(noisy, ["a red circle to the left of a blue square"] * 2, seed=0, num_inference_steps=4)
+    assert images.shape == (2, 3, 32, 32)
+    with pytest.raises(ValueError):
+        model.load_base_pipeline(variant="nope")
+
+
+def test_corner_occupancy_separates_discs_from_soft_cornered_squares():
+    def comp(mask):
+        m = np.kron(np.asarray(mask, dtype=bool), np.ones((2, 2), dtype=bool))  # drawn on the VAE's 2x2 grid
+        img = np.zeros((3, 32, 32), dtype=np.float32)
+        img[0, 2 : 2 + m.shape[0], 2 : 2 + m.shape[1]] = m
+        (o,) = reward.detect(img)
+        return o
+
+    full = np.ones((7, 7))
+    assert comp(full)["shape"] == "square" and comp(full)["corner"] == 1.0
+    soft = full.copy()
+    soft[0, 0] = soft[-1, -1] = 0  # two corner cells missing: still a square
+    assert comp(soft)["shape"] == "square"
+    from trl_flow.tasks.shapes.render import shape_stamp
+
+    for d in range(6, 10):  # every rendered disc stays a circle, every rendered triangle a triangle
+        assert comp(shape_stamp("circle", d))["shape"] == "circle"
+        assert comp(shape_stamp("circle", d))["corner"] < reward.SQUARE_CORNER - 0.05
+        assert comp(shape_stamp("triangle", d))["shape"] == "triangle"
+    rounded = np.ones((6, 6))
+    for y, x in [(0, 0), (0, 5), (5, 0), (5, 5)]:
+        rounded[y, x] = 0  # a 6x6 box without its four corner cells: the rendered disc of diameter 6
+    assert comp(rounded)["shape"] == "circle" and comp(rounded)["corner"] < 0.56
+    rounded7 = full.copy()
+    for y, x in [(0, 0), (0, 6), (6, 0), (6, 6)]:
+        rounded7[y, x] = 0  # a 7x7 box without its corner cells covers 3/4 of its 2x2-cell corner patches
+    assert comp(rounded7)["shape"] == "square"

@@ -22,6 +22,8 @@ from .grammar import (
 )
 from .model import (
     BASE_MODEL_DIR,
+    BASE_MODEL_VARIANTS,
+    NOISY_BASE_MODEL_DIR,
     BASE_SHIFT,
     DEFAULT_GUIDANCE_SCALE,
     DEFAULT_NUM_INFERENCE_STEPS,
@@ -42,6 +44,7 @@ from .reward import (
     shapes_partial_reward,
     shapes_strict_reward,
 )
+from .grammar import noisy_caption
 from .benchmark import eval_prompts, evaluate_pipeline
 
 __all__ = [
@@ -56,6 +59,8 @@ __all__ = [
     "test_prompts",
     "train_prompts",
     "BASE_MODEL_DIR",
+    "BASE_MODEL_VARIANTS",
+    "NOISY_BASE_MODEL_DIR",
     "BASE_SHIFT",
     "DEFAULT_GUIDANCE_SCALE",
     "DEFAULT_NUM_INFERENCE_STEPS",
@@ -77,5 +82,6 @@ __all__ = [
     "val_prompts",
     "shapes_strict_reward",
     "eval_prompts",
+    "noisy_caption",
     "evaluate_pipeline",
 ]

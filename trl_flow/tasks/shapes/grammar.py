@@ -278,3 +278,62 @@ def val_prompts(max_count: int = DEFAULT_MAX_COUNT):
 
 # pytest must not collect ``test_prompts`` as a test when it is imported into a test module.
 test_prompts.__test__ = False  # type: ignore[attr-defined]
+
+
+# ------------------------------------------------------------------------------------------ caption noise
+
+OPPOSITE_RELATION: dict[str, str] = {"left": "right", "right": "left", "above": "below", "below": "above"}
+
+
+def noisy_caption(
+    prompt: PromptSpec | str,
+    rng,
+    flip_relation: float = 0.0,
+    swap_colors: float = 0.0,
+    count_off: float = 0.0,
+    max_count: int = DEFAULT_MAX_COUNT,
+) -> tuple[str, tuple[str, ...]]:
+    """A caption of an image rendered for ``prompt`` with planted errors, as web captions have.
+
+    Each error is drawn independently with its own probability, where it applies:
+
+    * ``flip_relation``: position prompts say the opposite relation (left <-> right, above <-> below);
+    * ``swap_colors``: pair prompts whose objects differ in colour swap the two colours ("a red square and a
+      blue circle" -> "a blue square and a red circle"); a no-op in meaning for two same-shape objects joined
+      by "and", which are therefore left alone;
+    * ``count_off``: single and counting prompts name a count off by one (1 -> 2, ``max_count`` -> its
+      predecessor, otherwise up or down at random; "a red circle" -> "two red circles", "two red circles" ->
+      "one red circle").
+
+    ``rng``: a ``numpy.random.Generator``. Returns ``(caption, errors)`` with ``errors`` the names of the
+    errors applied (``"relation"``, ``"colors"``, ``"count"``), empty for a clean caption. Every caption is a
+    prompt of the grammar (``parse_prompt`` reads it).
+    """
+    spec = prompt if isinstance(prompt, PromptSpec) else parse_prompt(prompt)
+    objects = list(spec.objects)
+    relation, category = spec.relation, spec.category
+    errors: list[str] = []
+    if relation is not None and flip_relation > 0 and rng.random() < flip_relation:
+        relation = OPPOSITE_RELATION[relation]
+        errors.append("relation")
+    if len(objects) == 2 and objects[0].color != objects[1].color and swap_colors > 0:
+        a, b = objects
+        same_shape_and = a.shape == b.shape and relation is None
+        if not same_shape_and and rng.random() < swap_colors:
+            objects = [ObjectSpec(b.color, a.shape, a.count), ObjectSpec(a.color, b.shape, b.count)]
+            errors.append("colors")
+    if len(objects) == 1 and count_off > 0 and rng.random() < count_off and max_count >= 2:
+        o = objects[0]
+        if o.count <= 1:
+            n = 2
+        elif o.count >= max_count:
+            n = o.count - 1
+        else:
+            n = o.count + (1 if rng.random() < 0.5 else -1)
+        objects = [ObjectSpec(o.color, o.shape, n)]
+        category = "counting"
+        errors.append("count")
+    if len(objects) == 2 and relation is None:
+        category = _pair_category(objects[0], objects[1], None)
+    caption = PromptSpec(tuple(objects), relation, category).to_prompt()
+    return caption, tuple(errors)
