@@ -134,8 +134,15 @@ class NoRewardMonitor:
     def __init__(self):
         self.streak = 0
         self.skipped = 0
+        self.nonfinite = 0.0
 
     def update(self, metrics: dict, step: int) -> None:
+        nonfinite = float(metrics.get("nonfinite_skipped", self.nonfinite))
+        if nonfinite > self.nonfinite:  # a non-finite loss or gradient: that update was skipped, say so
+            warnings.warn(f"iteration {step + 1}: {nonfinite - self.nonfinite:g} non-finite loss / gradient "
+                          f"update(s) skipped (nonfinite_skipped={nonfinite:g}); check the rewards and the "
+                          "learning rate", RuntimeWarning, stacklevel=3)
+        self.nonfinite = nonfinite
         if metrics.get("no_reward_frac", 0.0) < 1.0:
             self.streak = 0
         else:
