@@ -170,18 +170,20 @@ def resolve_resume(resume, output_dir: str, print_fn=print) -> CheckpointInfo:
         for path in incomplete:
             warnings.warn(f"resume_from_checkpoint: skipping incomplete checkpoint {path} (no {COMPLETE_NAME}: its "
                           "save was interrupted)", RuntimeWarning, stacklevel=3)
+        errors = []
         for info in reversed(complete):
             try:
                 verify_files(info)
             except ValueError as e:
                 warnings.warn(f"resume_from_checkpoint: skipping {info.path}: {e}", RuntimeWarning, stacklevel=3)
+                errors.append(str(e).split("; resume from")[0])
                 continue
             return info
         if not complete:
             raise ValueError(f"resume_from_checkpoint: no complete checkpoint-* folder in {output_dir}"
                              + (f" (incomplete: {[os.path.basename(p) for p in incomplete]})" if incomplete else ""))
-        raise ValueError(f"resume_from_checkpoint: every checkpoint in {output_dir} has a missing or corrupted file "
-                         f"({', '.join(os.path.basename(c.path) for c in complete)}); start a new run")
+        raise ValueError(f"resume_from_checkpoint: no checkpoint in {output_dir} is intact ({'; '.join(errors)}); "
+                         "start a new run (overwrite_output_dir=True) or restore the files")
     path = str(resume)
     if not os.path.isdir(path):
         raise ValueError(f"resume_from_checkpoint={path!r}: not a folder; give a checkpoint-<N> folder, or "
