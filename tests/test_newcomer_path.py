@@ -238,3 +238,26 @@ def test_two_fresh_processes_write_identical_lora_weights_and_metadata(tmp_path)
     assert list(meta0["lora_adapter_metadata"]["transformer.target_modules"]) == sorted(
         meta0["lora_adapter_metadata"]["transformer.target_modules"])
     assert t0.keys() == t1.keys() and all(torch.equal(t0[k], t1[k]) for k in t0)
+
+
+# --------------------------------------------------------------------------------------- item 4: said once
+def test_a_multi_process_run_says_once_how_many_processes(monkeypatch):
+    from trl_flow.trainers import guards
+
+    class FakeAccelerator:
+        def __init__(self, n, main):
+            self.num_processes, self.is_main_process, self.distributed_type, self.out = n, main, "MULTI_CPU", []
+
+        def print(self, *a):  # accelerate's print: the main process only
+            if self.is_main_process:
+                self.out.append(" ".join(map(str, a)))
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    ranks = [FakeAccelerator(2, True), FakeAccelerator(2, False)]
+    for acc in ranks:
+        guards.check_launch(acc)
+    assert [line for acc in ranks for line in acc.out] == ["Training on 2 processes (MULTI_CPU)"]
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    single = FakeAccelerator(1, True)
+    guards.check_launch(single)
+    assert single.out == []
