@@ -17,8 +17,10 @@ which is also what ``accelerate launch -m trl_flow.cli grpo ...`` does on every 
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 
@@ -39,6 +41,14 @@ _CHILD_ENV = "TRL_FLOW_UNDER_ACCELERATE_LAUNCH"  # set for the processes that --
 
 class CLIError(ValueError):
     """Bad command-line input; ``main`` prints it and exits with status 2."""
+
+
+class _Parser:
+    """Mixin for the command's parser: argparse's own errors (a bad value, a missing one) become a
+    :class:`CLIError` (one line, no usage block) instead of printing and exiting."""
+
+    def error(self, message):
+        raise CLIError(message)
 
 
 @dataclass
@@ -111,7 +121,37 @@ def make_parser(command: str):
     from trl import TrlParser
 
     config_cls, _ = trainer_classes(command)
-    return TrlParser((ScriptArguments, config_cls), prog=f"trl-flow {command}", allow_abbrev=False)
+    parser_cls = type("TrlFlowParser", (_Parser, TrlParser), {})
+    recipes = [n for n, path in shipped("recipes").items() if _recipe_trainer(path) in (None, command)]
+    parser = parser_cls((ScriptArguments, config_cls), prog=f"trl-flow {command}", allow_abbrev=False,
+                        epilog=f"recipes for `trl-flow {command}` (--config NAME): {', '.join(recipes)}")
+    for action in parser._actions:  # argparse %-formats help texts: a literal "25%" in a field's help broke --help
+        if action.help:
+            action.help = re.sub(r"%(?!\()", "%%", action.help)
+    # TrlParser consumes --config itself; declared here (never stored) so that --help shows it.
+    parser.add_argument("--config", default=argparse.SUPPRESS, metavar="RECIPE_OR_YAML",
+                        help="A YAML file of field values, or the name of a recipe shipped in trl_flow/recipes "
+                             f"({', '.join(recipes)}); flags given after it override it.")
+    return parser
+
+
+def _recipe_trainer(path: str) -> str | None:
+    """The ``trainer:`` a shipped recipe names (None if it names none)."""
+    with open(path, encoding="utf-8") as f:
+        m = re.search(r"^trainer:\s*([\w-]+)", f.read(), flags=re.M)
+    return m.group(1) if m else None
+
+
+def _did_you_mean(options, flags) -> str:
+    """``"; --max_step: did you mean --max_steps?"`` for the misspelled ones among ``options`` (difflib over the
+    known ``flags``), or ``""``."""
+    hints = []
+    for option in options:
+        name = option.split("=")[0]
+        close = difflib.get_close_matches(name, flags, n=1, cutoff=0.6) if name.startswith("--") else []
+        if close:
+            hints.append(f"{name}: did you mean {close[0]}?")
+    return "".join("; " + h for h in hints)
 
 
 # ----------------------------------------------------------------------------------------------- parsing
@@ -135,22 +175,26 @@ def parse_args(command: str, argv: list[str]):
         raise CLIError(str(e)) from e
     if config_rest:
         keys = [s[2:] for s in config_rest if s.startswith("--")]
+        flags = [f[2:] for f in parser._option_string_actions if f.startswith("--")]
+        hints = [f"{k} -> {c[0]}" for k in keys if (c := difflib.get_close_matches(k, flags, n=1, cutoff=0.6))]
         raise CLIError(f"--config: unknown keys {keys}; recipe keys must be fields of {type(config).__name__} "
-                       "or script arguments (see trl-flow " + command + " --help)")
+                       "or script arguments (see trl-flow " + command + " --help)"
+                       + (f"; did you mean: {', '.join(hints)}?" if hints else ""))
     if script_args.trainer is not None and script_args.trainer != command:
         raise CLIError(f"this recipe is for `trl-flow {script_args.trainer}` (trainer: {script_args.trainer}), "
                        f"not `trl-flow {command}`")
+    flags = [f for f in parser._option_string_actions if f.startswith("--") and f != "--help"]
     if cli_rest and not (script_args.accelerate_config and not os.environ.get(_CHILD_ENV)):
-        raise CLIError(f"unrecognized arguments: {' '.join(cli_rest)} (options are spelled out in full; "
-                       f"`accelerate launch` options need --accelerate_config NAME)")
+        raise CLIError(f"unrecognized arguments: {' '.join(cli_rest)}{_did_you_mean(cli_rest, flags)} (options are "
+                       "spelled out in full; `accelerate launch` options need --accelerate_config NAME)")
     if cli_rest:
         from accelerate.commands.launch import launch_command_parser
 
         known = set(launch_command_parser()._option_string_actions)
         bad = [s for s in cli_rest if s.startswith("-") and s.split("=")[0] not in known]
         if bad:
-            raise CLIError(f"unrecognized arguments: {' '.join(bad)} (neither a field of {type(config).__name__}, "
-                           "a script argument nor an `accelerate launch` option)")
+            raise CLIError(f"unrecognized arguments: {' '.join(bad)}{_did_you_mean(bad, flags)} (neither a field of "
+                           f"{type(config).__name__}, a script argument nor an `accelerate launch` option)")
     return script_args, config, cli_rest
 
 
@@ -254,6 +298,35 @@ def run(command: str, argv: list[str]):
     return trainer
 
 
+def cli_form(message: str, names) -> str:
+    """An error raised by the Python API, in the form the command line takes: one line, and every
+    ``field=value`` (or ``FlowGRPOConfig.field=value``) of a known field ``names`` as ``--field value``, so that
+    the fix it names is what the user can type (``pass resume_from_checkpoint=True`` -> ``pass
+    --resume_from_checkpoint True``). Keywords of a call (``train(resume_from_checkpoint=...)``) are left alone."""
+    names = sorted(set(names), key=len, reverse=True)
+    line = " ".join(str(message).split())
+    if not names:
+        return line
+    pattern = re.compile(r"(?<![\w.(,-])(?:\w+Config\.)?(" + "|".join(map(re.escape, names)) + r")=(?!=)")
+    return pattern.sub(lambda m: f"--{m.group(1)} ", line)
+
+
+def _field_names(command: str) -> list[str]:
+    import dataclasses
+
+    names = [f.name for f in dataclasses.fields(ScriptArguments)]
+    try:
+        names += [f.name for f in dataclasses.fields(trainer_classes(command)[0])]
+    except CLIError:
+        pass
+    return names
+
+
+#: What a run can raise for bad input or a bad environment: reported on one line. Anything else is a bug and keeps
+#: its traceback.
+_USER_ERRORS = (ValueError, RuntimeError, OSError, ImportError, TypeError, KeyError)
+
+
 def _top_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trl-flow", allow_abbrev=False,
                                      description="RL post-training of flow-matching diffusers pipelines.")
@@ -286,8 +359,19 @@ def main(argv: list[str] | None = None) -> int:
             return server.main(rest) or 0
         run(command, rest)
     except CLIError as e:
-        print(f"trl-flow {command}: error: {e}", file=sys.stderr)
+        print(f"trl-flow {command}: error: {cli_form(e, _field_names(command))}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"trl-flow {command}: interrupted; continue from the newest complete checkpoint with "
+              "--resume_from_checkpoint True (same --output_dir)", file=sys.stderr)
+        return 130
+    except _USER_ERRORS as e:
+        if os.environ.get("TRL_FLOW_TRACEBACK"):
+            raise
+        # a ValueError is a check of the input, which names the field; other types say what failed where
+        note = "" if type(e) is ValueError else f" [{type(e).__name__}; TRL_FLOW_TRACEBACK=1 shows the traceback]"
+        print(f"trl-flow {command}: error: {cli_form(e, _field_names(command))}{note}", file=sys.stderr)
+        return 2 if isinstance(e, ValueError) else 1
     return 0
 
 
