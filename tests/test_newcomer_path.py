@@ -44,9 +44,10 @@ def test_a_finished_run_without_checkpoints_is_never_silently_replaced(tmp_path,
     with pytest.raises(ValueError) as info:
         second.train()
     msg = str(info.value)
-    for name in (checkpoints.LORA_WEIGHT_NAME, "log_history.jsonl", "samples/", "resume_from_checkpoint=True",
+    for name in (checkpoints.LORA_WEIGHT_NAME, "log_history.jsonl", "samples/", "no complete checkpoint to resume",
                  "overwrite_output_dir=True"):
         assert name in msg
+    assert "resume_from_checkpoint=True" not in msg  # nothing to resume: not offered
     assert lora.read_bytes() == saved and (out / "log_history.jsonl").read_text() == log  # nothing touched
 
     third = _trainer(tmp_path, fresh_pipe, max_steps=1, seed=7, overwrite_output_dir=True)
@@ -60,6 +61,8 @@ def test_overwrite_removes_the_earlier_runs_checkpoints(tmp_path, fresh_pipe):
     out = tmp_path / "out"
     _trainer(tmp_path, fresh_pipe, max_steps=2, save_steps=1).train()
     assert sorted(os.listdir(out)) == ["checkpoint-1", "checkpoint-2", "log_history.jsonl"]
+    with pytest.raises(ValueError, match="checkpoint-1, checkpoint-2, log_history.jsonl.*resume_from_checkpoint=True"):
+        _trainer(tmp_path, fresh_pipe, max_steps=1).train()
     (out / "notes.txt").write_text("mine")
     _trainer(tmp_path, fresh_pipe, max_steps=1, save_steps=1, overwrite_output_dir=True).train()
     assert sorted(os.listdir(out)) == ["checkpoint-1", "log_history.jsonl", "notes.txt"]  # only trl_flow's files

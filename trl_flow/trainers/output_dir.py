@@ -91,10 +91,14 @@ def prepare(trainer, resume) -> None:
     elif not getattr(trainer, "_output_dir_ready", False) and trainer.state.global_step == 0:
         found = earlier_outputs(cfg.output_dir, trainer.state.run_id)
         if found and not cfg.overwrite_output_dir:
+            resumable = any(checkpoints.read_marker(os.path.join(cfg.output_dir, n)) for n in found
+                            if n.startswith("checkpoint-"))
+            resume_hint = ("resume_from_checkpoint=True to continue its newest checkpoint, " if resumable else
+                           "(it has no complete checkpoint to resume from) ")
             raise ValueError(
                 f"output_dir={cfg.output_dir!r} already holds an earlier run's outputs ({', '.join(found)}); pass "
-                "resume_from_checkpoint=True to continue its newest checkpoint, overwrite_output_dir=True to delete "
-                "them and start a new run there, or another output_dir")
+                f"{resume_hint}overwrite_output_dir=True to delete them and start a new run there, or choose "
+                "another output_dir")
         acc.wait_for_everyone()
         if found and acc.is_main_process:
             remove_earlier_outputs(cfg.output_dir, trainer.state.run_id)
