@@ -264,3 +264,18 @@ def test_a_multi_process_run_says_once_how_many_processes(monkeypatch):
     single = FakeAccelerator(1, True)
     guards.check_launch(single)
     assert single.out == []
+
+
+def test_a_normal_run_warns_nothing(tmp_path, fresh_pipe, caplog):
+    """A healthy run (train, checkpoint, resume, save) raises no Python warning and logs no warning record."""
+    import logging
+
+    caplog.set_level(logging.WARNING)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _trainer(tmp_path, fresh_pipe, max_steps=1, save_steps=1).train()
+        tr = _trainer(tmp_path, fresh_pipe, max_steps=2, save_steps=1)
+        tr.train(resume_from_checkpoint=True)
+        tr.save_model(str(tmp_path / "final"))
+    assert [str(w.message) for w in seen] == []
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
