@@ -214,19 +214,6 @@ def verify_files(info: CheckpointInfo) -> None:
                              f"{COMPLETE_NAME}); resume from another checkpoint")
 
 
-def check_output_dir(output_dir: str, run_id: str, overwrite: bool) -> None:
-    """A new run must not write into a folder holding another run's checkpoints, unless ``overwrite``."""
-    complete, incomplete = find_checkpoints(output_dir)
-    others = [os.path.basename(c.path) for c in complete if c.run_id != run_id]
-    others += [os.path.basename(p) for p in incomplete if not p.endswith(TMP_SUFFIX)]
-    if others and not overwrite:
-        raise ValueError(
-            f"output_dir={output_dir!r} already holds checkpoints of another run ({', '.join(sorted(others))}); "
-            "pass resume_from_checkpoint=True to continue that run, overwrite_output_dir=True to train a new run "
-            "there anyway (its checkpoints are kept until replaced; only this run's are rotated), or another output_dir"
-        )
-
-
 def clean_leftovers(output_dir: str) -> None:
     """Delete the ``.tmp`` folders of interrupted saves and half-deleted rotated checkpoints (main process)."""
     if not os.path.isdir(output_dir):
