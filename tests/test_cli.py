@@ -274,8 +274,7 @@ def test_an_earlier_run_in_output_dir_is_refused_in_flags_on_one_line(tmp_path, 
     assert rc == 2
     line = _one_error_line(capsys)
     assert "already holds an earlier run's outputs" in line
-    assert "--resume_from_checkpoint True" in line and "--overwrite_output_dir True" in line
-    assert "resume_from_checkpoint=True" not in line
+    assert "--overwrite_output_dir True" in line and "overwrite_output_dir=True" not in line
     assert (out / "log_history.jsonl").read_text() == '{"step": 1}\n'
 
 
@@ -290,3 +289,28 @@ def test_runtime_failures_are_one_line_and_keep_the_traceback_on_request(monkeyp
     monkeypatch.setenv("TRL_FLOW_TRACEBACK", "1")
     with pytest.raises(RuntimeError):
         cli.main(["grpo"])
+
+
+# ----------------------------------------------------------------------------------- threads (issue 19, item 6)
+def test_num_threads_default_is_one_unless_omp_num_threads_or_the_flag_says_otherwise(capsys):
+    assert cli.resolve_num_threads(None, {}) == 1
+    assert cli.resolve_num_threads(None, {"OMP_NUM_THREADS": "4"}) == 4
+    assert cli.resolve_num_threads(None, {"OMP_NUM_THREADS": "junk"}) == 1
+    assert cli.resolve_num_threads(3, {"OMP_NUM_THREADS": "4"}) == 3
+    assert cli.resolve_num_threads(0, {}) is None  # torch's own default
+    assert cli.main(["grpo", "--num_threads", "-1"]) == 2
+    assert "--num_threads -1: must be >= 0" in _one_error_line(capsys)
+
+
+def test_the_run_sets_the_thread_count_before_any_work(monkeypatch):
+    import torch
+
+    seen = []
+    monkeypatch.setattr(torch, "set_num_threads", seen.append)
+    monkeypatch.setattr(cli, "_load_pipeline", lambda *a: pytest.fail("the model was loaded"))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for argv, expected in ((["--num_threads", "3"], [3]), ([], [1]), (["--num_threads", "0"], [])):
+        seen.clear()
+        with pytest.raises(cli.CLIError, match="reward_funcs: required"):
+            cli.run("grpo", ["--dataset_name", "shapes", *argv])
+        assert seen == expected

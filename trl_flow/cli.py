@@ -66,12 +66,32 @@ class ScriptArguments:
     reward_funcs: list[str] | None = field(default=None, metadata={"help": "Rewards: names exported by `trl_flow.rewards` (e.g. jpeg_incompressibility), shapes_partial / shapes_strict, `module:callable` (a class is instantiated without arguments), or the http(s) URL of a `trl-flow reward-server`."})
     accelerate_config: str | None = field(default=None, metadata={"help": "Run under `accelerate launch` with this config: a name shipped in trl_flow/accelerate_configs (single_gpu, multi_gpu, multi_node, fsdp2, zero2, zero3) or a file. Other `accelerate launch` options are passed on."})
     trainer: str | None = field(default=None, metadata={"help": "The subcommand a recipe is written for (grpo, op-grpo, stepwise, dppo); running a recipe with another subcommand is an error."})
+    num_threads: int | None = field(default=None, metadata={"help": "torch CPU threads per process (torch.set_num_threads). Default: OMP_NUM_THREADS if set, else 1; 0 = torch's own default (one per core), which is faster only on an idle machine with large CPU ops: with other processes busy, spinning threads made a 2-iteration shapes run 3-7x slower."})
 
     def __post_init__(self):
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype={self.dtype!r}: must be auto, float32, bfloat16 or float16")
         if self.trainer is not None and self.trainer not in TRAINERS:
             raise ValueError(f"trainer={self.trainer!r}: must be one of {sorted(TRAINERS)}")
+        if self.num_threads is not None and self.num_threads < 0:
+            raise ValueError(f"num_threads={self.num_threads}: must be >= 0 (0 = torch's default, one per core)")
+
+
+def resolve_num_threads(num_threads: int | None, environ=os.environ) -> int | None:
+    """The torch thread count a run uses: ``num_threads`` if given (0 = leave torch's default, returned as None),
+    else ``OMP_NUM_THREADS`` when it is set to a positive integer, else 1.
+
+    Why 1: the intra-op threads of torch's CPU kernels spin while they wait for each other; on a machine whose
+    cores are busy with other processes (other runs, the tests, an accelerate launch of several processes) they
+    wait for cores and a run collapses (measured, docs/cli.md: 2 threads took 3-7x the wall time of 1 thread and
+    4-5x its CPU time on 2 loaded cores). The small models this runs on CPU gain nothing from more threads; a GPU
+    run does its work on the GPU."""
+    if num_threads is not None:
+        return num_threads or None
+    env = environ.get("OMP_NUM_THREADS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    return 1
 
 
 # ----------------------------------------------------------------------------------------------- lookups
@@ -286,6 +306,11 @@ def run(command: str, argv: list[str]):
         _launch(command, argv, script_args, launch_args)
         return None
     _, trainer_cls = trainer_classes(command)
+    threads = resolve_num_threads(script_args.num_threads)
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
     if not script_args.reward_funcs:
         raise CLIError("reward_funcs: required; e.g. --reward_funcs jpeg_incompressibility (see --help)")
     reward_funcs = [resolve_reward(s) for s in script_args.reward_funcs]
