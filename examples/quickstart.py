@@ -11,11 +11,15 @@ partial score as the reward, and writes to ``--output_dir``:
 - ``before_after.png``: one row per trained prompt, labelled with the prompt and its detector scores, the image
   before and after training (same noise);
 - ``scores.json``: strict / partial accuracy before and after, on the trained prompts (8 images each) and on the
-  held-out test prompts of the same categories.
+  held-out test prompts of the same categories, and under ``run`` the conditions (seed, iterations, threads, CPU
+  time of the training, torch version, machine).
 
-Measured here (seed 0, 30 iterations, 5.3 CPU-minutes on one thread): strict 0.431 -> 0.424, partial 0.651 -> 0.657
-on the trained prompts; strict 0.417 -> 0.417, partial 0.614 -> 0.622 on the held-out prompts: no improvement beyond
-noise at this budget (see docs/benchmarks.md, "The signal search"). Re-running starts over in ``--output_dir``.
+The README's measured numbers are :func:`readme_summary` of the committed run,
+``benchmarks/results/quickstart/scores.json`` (``python examples/quickstart.py --summary FILE`` prints that
+sentence for any scores.json; tests/test_docs.py checks the README against the committed file). Results are
+reproducible for a given seed and thread count on one machine kind; another thread count changes float summation
+order (about 2e-6 in the LoRA after 2 iterations), which grows over 30 iterations. Re-running starts over in
+``--output_dir`` (the earlier run's files there are removed).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
+import time
 
 import torch
 
@@ -39,7 +45,13 @@ def main(argv=None):
     ap.add_argument("--images_per_prompt", type=int, default=8, help="evaluation images per prompt (same noise before/after)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (the tiny model's ops are too small to gain from more; 1 is fastest here)")
+    ap.add_argument("--summary", metavar="SCORES_JSON",
+                    help="print the README's sentence for this scores.json and exit (no training)")
     args = ap.parse_args(argv)
+    if args.summary:
+        with open(args.summary, encoding="utf-8") as f:
+            print(readme_summary(json.load(f)))
+        return
     torch.set_num_threads(args.threads)
 
     torch.manual_seed(args.seed)
@@ -62,12 +74,17 @@ def main(argv=None):
     sets = {name: ([p for p in ds["prompt"] for _ in range(n)], [c for c in ds["category"] for _ in range(n)])
             for name, ds in (("trained_prompts", train), ("held_out_prompts", test))}
     before = {name: trainer.generate(p, seed=1234)[0] for name, (p, _) in sets.items()}
+    cpu0, wall0 = time.process_time(), time.perf_counter()
     trainer.train()
+    cpu_s, wall_s = time.process_time() - cpu0, time.perf_counter() - wall0
     after = {name: trainer.generate(p, seed=1234)[0] for name, (p, _) in sets.items()}
     trainer.save_model(args.output_dir)
 
     scores = {name: {"before": shapes.evaluate(before[name], *sets[name]), "after": shapes.evaluate(after[name], *sets[name])}
               for name in sets}
+    scores["run"] = {"method": args.method, "seed": args.seed, "steps": args.steps, "threads": args.threads,
+                     "images_per_prompt": n, "train_cpu_s": round(cpu_s, 1), "train_wall_s": round(wall_s, 1),
+                     "torch": torch.__version__, "machine": f"{platform.machine()}, {os.cpu_count()} cores"}
     with open(os.path.join(args.output_dir, "scores.json"), "w") as f:
         json.dump(scores, f, indent=2)
     # one row per distinct trained prompt (first of its 8 images), labelled with the prompt and its scores
@@ -76,19 +93,36 @@ def main(argv=None):
         f"{scores[name]['after']['overall']['strict']:.3f}" for name in sets)
     _save_before_after(before["trained_prompts"], after["trained_prompts"], sets["trained_prompts"][0],
                        os.path.join(args.output_dir, "before_after.png"), title)
+    print("\n" + readme_summary(scores))
     for name in sets:
         print(f"\n{name}, before training:\n" + shapes.reward.format_evaluation(scores[name]["before"]))
         print(f"{name}, after training:\n" + shapes.reward.format_evaluation(scores[name]["after"]))
     print(f"\nwrote {args.output_dir}/pytorch_lora_weights.safetensors, before_after.png, scores.json")
 
 
-def _save_before_after(before, after, prompts, path, title="", max_rows=12):
+def readme_summary(scores: dict) -> str:
+    """The README's "Measured here ..." sentence for a quickstart ``scores.json`` (its numbers, never typed)."""
+    run = scores["run"]
+    threads = "one thread" if run["threads"] == 1 else f"{run['threads']} threads"
+
+    def part(split):
+        b, a = scores[split]["before"]["overall"], scores[split]["after"]["overall"]
+        return (f"strict {b['strict']:.3f} -> {a['strict']:.3f} and partial {b['partial']:.3f} -> {a['partial']:.3f}",
+                a["n"])
+
+    (trained, n_tr), (held, n_ho) = part("trained_prompts"), part("held_out_prompts")
+    return (f"Measured here with seed {run['seed']} ({run['steps']} iterations, {run['train_cpu_s'] / 60:.1f} "
+            f"CPU-minutes on {threads}): {trained} on the trained prompts ({n_tr} images), {held} on the held-out "
+            f"prompts ({n_ho} images)")
+
+
+def _save_before_after(before, after, prompts, path, title="", max_rows=None):
     """One row per prompt: the prompt and both detector scores, then the image before and after training (same
-    noise). Rows are the first ``max_rows`` distinct prompts."""
+    noise). Rows are every distinct prompt (the first ``max_rows`` if given)."""
     from PIL import Image, ImageDraw
 
     size, text_w, head = 96, 300, 40
-    rows = list(dict.fromkeys(prompts))[:max_rows]
+    rows = list(dict.fromkeys(prompts))[:max_rows]  # max_rows=None: all
     sheet = Image.new("RGB", (text_w + 2 * size + 12, head + len(rows) * (size + 4)), (255, 255, 255))
     draw = ImageDraw.Draw(sheet)
     draw.text((6, 4), title, fill=(0, 0, 0))

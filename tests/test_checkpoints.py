@@ -93,13 +93,17 @@ def test_runs_are_kept_apart_and_rotation_is_by_time_within_a_run(make_trainer, 
     out = tmp_path / "out"
     a = make_trainer(max_steps=3, save_steps=1)
     a.train()
-    with pytest.raises(ValueError, match="already holds checkpoints of another run.*overwrite_output_dir"):
+    with pytest.raises(ValueError, match="already holds an earlier run's outputs.*overwrite_output_dir"):
         make_trainer(max_steps=2, save_steps=1).train()
+    import shutil
+
+    shutil.copytree(out / "checkpoint-3", tmp_path / "a-checkpoint-3")
     b = make_trainer(max_steps=2, save_steps=1, save_total_limit=1, overwrite_output_dir=True, seed=7)
     b.train()
     ids = {n: checkpoints.read_marker(str(out / n)).run_id for n in _ckpts(out)}
-    # b replaced a's checkpoint-1 and -2 with its own, then rotated its own checkpoint-1; a's checkpoint-3 stays
-    assert ids == {"checkpoint-2": b.state.run_id, "checkpoint-3": a.state.run_id}
+    # the overwrite removed a's checkpoints; b rotated its own checkpoint-1
+    assert ids == {"checkpoint-2": b.state.run_id}
+    shutil.copytree(tmp_path / "a-checkpoint-3", out / "checkpoint-3")  # an older run's, with a higher step
     assert _log_steps(out) == [1, 2]  # b's log only
     resumed = make_trainer(max_steps=3, seed=7)
     capsys.readouterr()

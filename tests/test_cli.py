@@ -193,3 +193,124 @@ def test_registered_reward_names_resolve_to_built_rewards():
     assert isinstance(resolve_reward("pickscore"), RewardModel)
     assert resolve_reward("shapes_dense") is shapes.shapes_dense_reward
     assert resolve_reward("trl_flow.tasks.shapes:shapes_strict_reward") is shapes.shapes_strict_reward
+
+
+# ------------------------------------------------------------------ errors a user can act on (issue 19, item 2)
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "usage:" not in err, err
+    lines = [ln for ln in err.splitlines() if ln.startswith("trl-flow ")]  # (progress bars aside)
+    assert len(lines) == 1, err  # the error is one line
+    return lines[0]
+
+
+def test_misspelled_option_gets_a_did_you_mean(capsys):
+    assert cli.main(["grpo", "--max_step", "3"]) == 2
+    line = _one_error_line(capsys)
+    assert "unrecognized arguments: --max_step 3" in line and "did you mean --max_steps?" in line
+    assert cli.main(["grpo", "--num_gen", "3"]) == 2
+    assert "did you mean --num_generations?" in _one_error_line(capsys)
+    assert cli.main(["grpo", "--zzzz", "3"]) == 2
+    assert "did you mean" not in _one_error_line(capsys)
+
+
+def test_a_recipe_key_misspelled_gets_a_did_you_mean(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("learning_rat: 1e-4\n")
+    with pytest.raises(cli.CLIError, match=r"did you mean: learning_rat -> learning_rate\?"):
+        cli.parse_args("grpo", ["--config", str(recipe)])
+
+
+def test_bad_values_are_one_line_errors_naming_the_flag(capsys):
+    assert cli.main(["grpo", "--max_steps", "abc"]) == 2
+    line = _one_error_line(capsys)
+    assert "--max_steps" in line and "'abc'" in line and "usage:" not in line
+    # a field's own check speaks in flags: `--clip_range 2.0`, not `FlowGRPOConfig.clip_range=2.0`
+    assert cli.main(["grpo", "--clip_range", "2"]) == 2
+    line = _one_error_line(capsys)
+    assert "--clip_range 2" in line and "clip_range=" not in line
+
+
+def test_help_shows_config_and_the_recipes_of_the_command(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["op-grpo", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "--config RECIPE_OR_YAML" in out
+    assert "shapes_op_grpo" in out and "sd35m_op_grpo_geneval" in out
+    assert "shapes_flow_grpo" not in out  # a recipe for another command is not offered
+
+
+def test_python_api_fixes_are_rewritten_to_flags():
+    names = ["output_dir", "resume_from_checkpoint", "overwrite_output_dir", "clip_range"]
+    msg = ("output_dir='d' already holds an earlier run's outputs (log_history.jsonl); pass\n"
+           "resume_from_checkpoint=True to continue, overwrite_output_dir=True to delete them; "
+           "FlowGRPOConfig.clip_range=2.0: must be in (0, 1); same as train(resume_from_checkpoint=...)")
+    assert cli.cli_form(msg, names) == (
+        "--output_dir 'd' already holds an earlier run's outputs (log_history.jsonl); pass "
+        "--resume_from_checkpoint True to continue, --overwrite_output_dir True to delete them; "
+        "--clip_range 2.0: must be in (0, 1); same as train(resume_from_checkpoint=...)")
+
+
+def test_resume_true_on_the_command_line_means_what_it_does_in_python():
+    from trl_flow.trainers.checkpoints import normalize_resume
+
+    for spelling in ("True", "true", "latest"):
+        _, config, _ = cli.parse_args("grpo", ["--resume_from_checkpoint", spelling])
+        assert normalize_resume(config.resume_from_checkpoint) is True
+
+
+def test_an_earlier_run_in_output_dir_is_refused_in_flags_on_one_line(tmp_path, monkeypatch, capsys, fresh_pipe):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "log_history.jsonl").write_text('{"step": 1}\n')
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a cat\na dog\n")
+    monkeypatch.setattr(cli, "_load_pipeline", lambda *a: fresh_pipe())
+    rc = cli.main(["grpo", "--output_dir", str(out), "--dataset_name", str(prompts), "--reward_funcs",
+                   "jpeg_incompressibility", "--height", "32", "--width", "32", "--max_sequence_length", "16",
+                   "--num_inference_steps", "2", "--num_generations", "2", "--prompts_per_step", "2",
+                   "--per_device_train_batch_size", "4", "--max_steps", "1"])
+    assert rc == 2
+    line = _one_error_line(capsys)
+    assert "already holds an earlier run's outputs" in line
+    assert "--overwrite_output_dir True" in line and "overwrite_output_dir=True" not in line
+    assert (out / "log_history.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_runtime_failures_are_one_line_and_keep_the_traceback_on_request(monkeypatch, capsys):
+    def boom(command, argv):
+        raise RuntimeError("reward function 'r' raised\nConnectionError: refused")
+
+    monkeypatch.setattr(cli, "run", boom)
+    assert cli.main(["grpo"]) == 1
+    line = _one_error_line(capsys)
+    assert "reward function 'r' raised ConnectionError: refused" in line and "TRL_FLOW_TRACEBACK=1" in line
+    monkeypatch.setenv("TRL_FLOW_TRACEBACK", "1")
+    with pytest.raises(RuntimeError):
+        cli.main(["grpo"])
+
+
+# ----------------------------------------------------------------------------------- threads (issue 19, item 6)
+def test_num_threads_default_is_one_unless_omp_num_threads_or_the_flag_says_otherwise(capsys):
+    assert cli.resolve_num_threads(None, {}) == 1
+    assert cli.resolve_num_threads(None, {"OMP_NUM_THREADS": "4"}) == 4
+    assert cli.resolve_num_threads(None, {"OMP_NUM_THREADS": "junk"}) == 1
+    assert cli.resolve_num_threads(3, {"OMP_NUM_THREADS": "4"}) == 3
+    assert cli.resolve_num_threads(0, {}) is None  # torch's own default
+    assert cli.main(["grpo", "--num_threads", "-1"]) == 2
+    assert "--num_threads -1: must be >= 0" in _one_error_line(capsys)
+
+
+def test_the_run_sets_the_thread_count_before_any_work(monkeypatch):
+    import torch
+
+    seen = []
+    monkeypatch.setattr(torch, "set_num_threads", seen.append)
+    monkeypatch.setattr(cli, "_load_pipeline", lambda *a: pytest.fail("the model was loaded"))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for argv, expected in ((["--num_threads", "3"], [3]), ([], [1]), (["--num_threads", "0"], [])):
+        seen.clear()
+        with pytest.raises(cli.CLIError, match="reward_funcs: required"):
+            cli.run("grpo", ["--dataset_name", "shapes", *argv])
+        assert seen == expected

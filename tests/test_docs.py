@@ -143,6 +143,61 @@ def test_config_tables_match_the_config_classes():
         assert table == config_table(cls), f"{_rel(page)}: the {name} table is stale; run python tests/test_docs.py --update"
 
 
+# ------------------------------------------------------------------------------- numbers quoted from results
+QUICKSTART_RESULTS = os.path.join(ROOT, "benchmarks", "results", "quickstart", "scores.json")
+
+
+def _quickstart():
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("quickstart_for_docs", os.path.join(ROOT, "examples", "quickstart.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with open(QUICKSTART_RESULTS, encoding="utf-8") as f:
+        return mod, json.load(f)
+
+
+def test_readme_quickstart_numbers_are_the_committed_run():
+    """README.md quotes exactly the sentence the quickstart makes of benchmarks/results/quickstart/scores.json: the
+    numbers are never typed by hand (update: `python examples/quickstart.py --summary <that file>`)."""
+    quickstart, scores = _quickstart()
+    readme = " ".join(open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().split())
+    sentence = quickstart.readme_summary(scores)
+    assert sentence in readme, f"README.md's quickstart numbers differ from {_rel(QUICKSTART_RESULTS)}: expected\n{sentence}"
+    for split in ("trained_prompts", "held_out_prompts"):  # the file has the shape quickstart.py writes
+        for when in ("before", "after"):
+            assert {"strict", "partial", "n"} <= set(scores[split][when]["overall"])
+    assert {"seed", "steps", "threads", "train_cpu_s"} <= set(scores["run"])
+
+
+def test_readme_sentence_changes_with_the_file():
+    quickstart, scores = _quickstart()
+    scores["trained_prompts"]["after"]["overall"]["strict"] = 0.9
+    assert "0.431 -> 0.900" in quickstart.readme_summary(scores)
+
+
+def test_shipped_reward_names_in_readme_and_docs_are_the_registered_ones():
+    """One name per reward in README, docs and CLI: every `shapes_*` / `jpeg_*` name quoted in the pages is a
+    registered name (what --reward_funcs and get_reward accept and what the log calls it) or a `module:attr`."""
+    from trl_flow.cli import shipped
+    from trl_flow.rewards import available_rewards, get_reward
+
+    names = set(available_rewards())
+    recipes = set(shipped("recipes"))
+    for page in PAGES:
+        text = open(page, encoding="utf-8").read()
+        for m in re.finditer(r"`((?:[\w.]+:)?(?:shapes|jpeg)_\w+)`", text):
+            token = m.group(1)
+            if token in recipes:
+                continue
+            if ":" in token:
+                get_reward(token)
+            else:
+                assert token in names, f"{_rel(page)}: `{token}` is not a reward name; use one of {sorted(names)}"
+                assert getattr(get_reward(token), "__name__", token) == token  # logged under the same name
+
+
 def update_tables() -> None:
     for page in PAGES:
         text = open(page, encoding="utf-8").read()

@@ -87,14 +87,16 @@ def test_columns_are_passed_to_rewards():
 
 @pytest.mark.parametrize(
     "values,match",
-    [([1.0, 2.0, 3.0], "3 values for 4"), ([1.0] * 5, "5 values for 4"), (["x", 1, 2, 3], "non-numeric"),
-     (5.0, "returned float"), ([[1, 2], 1, 2, 3], "non-numeric")],
+    [([1.0, 2.0, 3.0], "3 values for 4"), ([1.0] * 5, "5 values for 4"), (["x", 1, 2, 3], "non-numbers"),
+     (5.0, "returned a float"), ([[1, 2], 1, 2, 3], "non-numbers"), (["0.5", 1, 2, 3], "'0.5'"),
+     ({"a": 1.0}, "returned a dict"), ("1234", "returned a str")],
 )
 def test_bad_reward_output_raises_runtime_error_naming_it(values, match):
     bad = _const("my_bad_reward", values)
     with pytest.raises(RuntimeError, match="my_bad_reward") as info:
         _combine([_const("fine", [0.0] * 4), bad])
     assert match in str(info.value)
+    assert "return a list of" in str(info.value) and "floats" in str(info.value)
 
 
 def test_raising_reward_is_wrapped_naming_it():

@@ -17,8 +17,10 @@ which is also what ``accelerate launch -m trl_flow.cli grpo ...`` does on every 
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 
@@ -41,6 +43,14 @@ class CLIError(ValueError):
     """Bad command-line input; ``main`` prints it and exits with status 2."""
 
 
+class _Parser:
+    """Mixin for the command's parser: argparse's own errors (a bad value, a missing one) become a
+    :class:`CLIError` (one line, no usage block) instead of printing and exiting."""
+
+    def error(self, message):
+        raise CLIError(message)
+
+
 @dataclass
 class ScriptArguments:
     """What the command needs besides the trainer config: model, prompts, rewards, launch. Names follow TRL's
@@ -56,12 +66,32 @@ class ScriptArguments:
     reward_funcs: list[str] | None = field(default=None, metadata={"help": "Rewards: names exported by `trl_flow.rewards` (e.g. jpeg_incompressibility), shapes_partial / shapes_strict, `module:callable` (a class is instantiated without arguments), or the http(s) URL of a `trl-flow reward-server`."})
     accelerate_config: str | None = field(default=None, metadata={"help": "Run under `accelerate launch` with this config: a name shipped in trl_flow/accelerate_configs (single_gpu, multi_gpu, multi_node, fsdp2, zero2, zero3) or a file. Other `accelerate launch` options are passed on."})
     trainer: str | None = field(default=None, metadata={"help": "The subcommand a recipe is written for (grpo, op-grpo, stepwise, dppo); running a recipe with another subcommand is an error."})
+    num_threads: int | None = field(default=None, metadata={"help": "torch CPU threads per process (torch.set_num_threads). Default: OMP_NUM_THREADS if set, else 1; 0 = torch's own default (one per core), which is faster only on an idle machine with large CPU ops: with other processes busy, spinning threads made a 2-iteration shapes run 3-7x slower."})
 
     def __post_init__(self):
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype={self.dtype!r}: must be auto, float32, bfloat16 or float16")
         if self.trainer is not None and self.trainer not in TRAINERS:
             raise ValueError(f"trainer={self.trainer!r}: must be one of {sorted(TRAINERS)}")
+        if self.num_threads is not None and self.num_threads < 0:
+            raise ValueError(f"num_threads={self.num_threads}: must be >= 0 (0 = torch's default, one per core)")
+
+
+def resolve_num_threads(num_threads: int | None, environ=os.environ) -> int | None:
+    """The torch thread count a run uses: ``num_threads`` if given (0 = leave torch's default, returned as None),
+    else ``OMP_NUM_THREADS`` when it is set to a positive integer, else 1.
+
+    Why 1: the intra-op threads of torch's CPU kernels spin while they wait for each other; on a machine whose
+    cores are busy with other processes (other runs, the tests, an accelerate launch of several processes) they
+    wait for cores and a run collapses (measured, docs/cli.md: 2 threads took 3-7x the wall time of 1 thread and
+    4-5x its CPU time on 2 loaded cores). The small models this runs on CPU gain nothing from more threads; a GPU
+    run does its work on the GPU."""
+    if num_threads is not None:
+        return num_threads or None
+    env = environ.get("OMP_NUM_THREADS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    return 1
 
 
 # ----------------------------------------------------------------------------------------------- lookups
@@ -111,7 +141,37 @@ def make_parser(command: str):
     from trl import TrlParser
 
     config_cls, _ = trainer_classes(command)
-    return TrlParser((ScriptArguments, config_cls), prog=f"trl-flow {command}", allow_abbrev=False)
+    parser_cls = type("TrlFlowParser", (_Parser, TrlParser), {})
+    recipes = [n for n, path in shipped("recipes").items() if _recipe_trainer(path) in (None, command)]
+    parser = parser_cls((ScriptArguments, config_cls), prog=f"trl-flow {command}", allow_abbrev=False,
+                        epilog=f"recipes for `trl-flow {command}` (--config NAME): {', '.join(recipes)}")
+    for action in parser._actions:  # argparse %-formats help texts: a literal "25%" in a field's help broke --help
+        if action.help:
+            action.help = re.sub(r"%(?!\()", "%%", action.help)
+    # TrlParser consumes --config itself; declared here (never stored) so that --help shows it.
+    parser.add_argument("--config", default=argparse.SUPPRESS, metavar="RECIPE_OR_YAML",
+                        help="A YAML file of field values, or the name of a recipe shipped in trl_flow/recipes "
+                             f"({', '.join(recipes)}); flags given after it override it.")
+    return parser
+
+
+def _recipe_trainer(path: str) -> str | None:
+    """The ``trainer:`` a shipped recipe names (None if it names none)."""
+    with open(path, encoding="utf-8") as f:
+        m = re.search(r"^trainer:\s*([\w-]+)", f.read(), flags=re.M)
+    return m.group(1) if m else None
+
+
+def _did_you_mean(options, flags) -> str:
+    """``"; --max_step: did you mean --max_steps?"`` for the misspelled ones among ``options`` (difflib over the
+    known ``flags``), or ``""``."""
+    hints = []
+    for option in options:
+        name = option.split("=")[0]
+        close = difflib.get_close_matches(name, flags, n=1, cutoff=0.6) if name.startswith("--") else []
+        if close:
+            hints.append(f"{name}: did you mean {close[0]}?")
+    return "".join("; " + h for h in hints)
 
 
 # ----------------------------------------------------------------------------------------------- parsing
@@ -135,22 +195,26 @@ def parse_args(command: str, argv: list[str]):
         raise CLIError(str(e)) from e
     if config_rest:
         keys = [s[2:] for s in config_rest if s.startswith("--")]
+        flags = [f[2:] for f in parser._option_string_actions if f.startswith("--")]
+        hints = [f"{k} -> {c[0]}" for k in keys if (c := difflib.get_close_matches(k, flags, n=1, cutoff=0.6))]
         raise CLIError(f"--config: unknown keys {keys}; recipe keys must be fields of {type(config).__name__} "
-                       "or script arguments (see trl-flow " + command + " --help)")
+                       "or script arguments (see trl-flow " + command + " --help)"
+                       + (f"; did you mean: {', '.join(hints)}?" if hints else ""))
     if script_args.trainer is not None and script_args.trainer != command:
         raise CLIError(f"this recipe is for `trl-flow {script_args.trainer}` (trainer: {script_args.trainer}), "
                        f"not `trl-flow {command}`")
+    flags = [f for f in parser._option_string_actions if f.startswith("--") and f != "--help"]
     if cli_rest and not (script_args.accelerate_config and not os.environ.get(_CHILD_ENV)):
-        raise CLIError(f"unrecognized arguments: {' '.join(cli_rest)} (options are spelled out in full; "
-                       f"`accelerate launch` options need --accelerate_config NAME)")
+        raise CLIError(f"unrecognized arguments: {' '.join(cli_rest)}{_did_you_mean(cli_rest, flags)} (options are "
+                       "spelled out in full; `accelerate launch` options need --accelerate_config NAME)")
     if cli_rest:
         from accelerate.commands.launch import launch_command_parser
 
         known = set(launch_command_parser()._option_string_actions)
         bad = [s for s in cli_rest if s.startswith("-") and s.split("=")[0] not in known]
         if bad:
-            raise CLIError(f"unrecognized arguments: {' '.join(bad)} (neither a field of {type(config).__name__}, "
-                           "a script argument nor an `accelerate launch` option)")
+            raise CLIError(f"unrecognized arguments: {' '.join(bad)}{_did_you_mean(bad, flags)} (neither a field of "
+                           f"{type(config).__name__}, a script argument nor an `accelerate launch` option)")
     return script_args, config, cli_rest
 
 
@@ -242,6 +306,11 @@ def run(command: str, argv: list[str]):
         _launch(command, argv, script_args, launch_args)
         return None
     _, trainer_cls = trainer_classes(command)
+    threads = resolve_num_threads(script_args.num_threads)
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
     if not script_args.reward_funcs:
         raise CLIError("reward_funcs: required; e.g. --reward_funcs jpeg_incompressibility (see --help)")
     reward_funcs = [resolve_reward(s) for s in script_args.reward_funcs]
@@ -252,6 +321,35 @@ def run(command: str, argv: list[str]):
     if not config.push_to_hub:  # push_to_hub saves the model itself
         trainer.save_model(config.output_dir)
     return trainer
+
+
+def cli_form(message: str, names) -> str:
+    """An error raised by the Python API, in the form the command line takes: one line, and every
+    ``field=value`` (or ``FlowGRPOConfig.field=value``) of a known field ``names`` as ``--field value``, so that
+    the fix it names is what the user can type (``pass resume_from_checkpoint=True`` -> ``pass
+    --resume_from_checkpoint True``). Keywords of a call (``train(resume_from_checkpoint=...)``) are left alone."""
+    names = sorted(set(names), key=len, reverse=True)
+    line = " ".join(str(message).split())
+    if not names:
+        return line
+    pattern = re.compile(r"(?<![\w.(,-])(?:\w+Config\.)?(" + "|".join(map(re.escape, names)) + r")=(?!=)")
+    return pattern.sub(lambda m: f"--{m.group(1)} ", line)
+
+
+def _field_names(command: str) -> list[str]:
+    import dataclasses
+
+    names = [f.name for f in dataclasses.fields(ScriptArguments)]
+    try:
+        names += [f.name for f in dataclasses.fields(trainer_classes(command)[0])]
+    except CLIError:
+        pass
+    return names
+
+
+#: What a run can raise for bad input or a bad environment: reported on one line. Anything else is a bug and keeps
+#: its traceback.
+_USER_ERRORS = (ValueError, RuntimeError, OSError, ImportError, TypeError, KeyError)
 
 
 def _top_parser() -> argparse.ArgumentParser:
@@ -286,8 +384,19 @@ def main(argv: list[str] | None = None) -> int:
             return server.main(rest) or 0
         run(command, rest)
     except CLIError as e:
-        print(f"trl-flow {command}: error: {e}", file=sys.stderr)
+        print(f"trl-flow {command}: error: {cli_form(e, _field_names(command))}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"trl-flow {command}: interrupted; continue from the newest complete checkpoint with "
+              "--resume_from_checkpoint True (same --output_dir)", file=sys.stderr)
+        return 130
+    except _USER_ERRORS as e:
+        if os.environ.get("TRL_FLOW_TRACEBACK"):
+            raise
+        # a ValueError is a check of the input, which names the field; other types say what failed where
+        note = "" if type(e) is ValueError else f" [{type(e).__name__}; TRL_FLOW_TRACEBACK=1 shows the traceback]"
+        print(f"trl-flow {command}: error: {cli_form(e, _field_names(command))}{note}", file=sys.stderr)
+        return 2 if isinstance(e, ValueError) else 1
     return 0
 
 

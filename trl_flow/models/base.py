@@ -19,6 +19,7 @@ of means + 39.5 MB of decoded frames; FLUX.1-dev at 512 x 512, 6 steps: L = (16,
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -139,7 +140,16 @@ class FlowAdapter:
 
     def save_lora_weights(self, save_directory: str, state_dict: dict, metadata: dict | None) -> None:
         """Write a transformer LoRA (peft state dict) with the pipeline class's own ``save_lora_weights``, so that
-        ``pipe.load_lora_weights(save_directory)`` loads it."""
+        ``pipe.load_lora_weights(save_directory)`` loads it.
+
+        The file is byte-identical for identical weights (set-valued metadata such as ``target_modules`` is sorted:
+        a set's order depends on the process's string hash seed) and gets the permissions of any file the user
+        creates (safetensors writes it 0600; here it follows the umask, like the other checkpoint files)."""
+        if metadata is not None:
+            metadata = {k: sorted(v) if isinstance(v, (set, frozenset)) else v for k, v in metadata.items()}
         self.pipeline_class.save_lora_weights(
             save_directory, transformer_lora_layers=state_dict, transformer_lora_adapter_metadata=metadata
         )
+        from ..trainers.checkpoints import LORA_WEIGHT_NAME, follow_umask
+
+        follow_umask(os.path.join(save_directory, LORA_WEIGHT_NAME))

@@ -103,10 +103,3 @@ class SD3Adapter(FlowAdapter):
         z = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
         image = vae.decode(z, return_dict=False)[0]
         return (image.float() / 2 + 0.5).clamp(0, 1)
-
-    def save_lora_weights(self, save_directory, state_dict, metadata) -> None:
-        self.pipeline_class.save_lora_weights(
-            save_directory,
-            transformer_lora_layers=state_dict,
-            transformer_lora_adapter_metadata=metadata,
-        )

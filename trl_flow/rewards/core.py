@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import io
 import math
+import numbers
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -61,31 +62,47 @@ def validate_reward_funcs(reward_funcs, reward_weights) -> tuple[list[RewardFunc
     return list(reward_funcs), names, weights
 
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def call_scores(out, n: int, name: str) -> list[float]:
     """A reward's output as ``n`` floats, NaN for None / NaN / inf (inf with a warning); a :class:`RewardError`
-    naming the reward for a wrong length or a non-number."""
+    naming the reward for a wrong length or a non-number. A value beyond float32's range (e.g. 1e39, what the
+    reward tensors hold) is infinite there and treated as inf. Strings, bytes and mappings are not numbers (a
+    numeric string is refused, not converted)."""
     if isinstance(out, torch.Tensor):
         out = out.detach().float().cpu().reshape(-1).tolist()
-    try:
-        values = list(out)
-    except TypeError:
-        raise RewardError(
-            f"reward function {name!r} returned {type(out).__name__}; it must return a list of {n} floats"
-        ) from None
+    elif isinstance(out, np.ndarray):
+        out = out.reshape(-1).tolist()
+    if isinstance(out, (str, bytes, Mapping)) or not isinstance(out, Iterable):
+        raise RewardError(f"reward function {name!r} returned a {type(out).__name__}; return a list of {n} floats "
+                          "(or None to skip an image), one per image")
+    values = list(out)
     if len(values) != n:
         raise RewardError(
-            f"reward function {name!r} returned {len(values)} values for {n} images; it must return one "
-            "float (or None to skip) per image"
+            f"reward function {name!r} returned {len(values)} values for {n} images; return a list of floats, "
+            "one (or None to skip) per image"
         )
-    try:
-        arr = [float("nan") if v is None else float(v) for v in values]
-    except (TypeError, ValueError):
-        raise RewardError(f"reward function {name!r} returned a non-numeric value: {values[:4]}...") from None
+    bad = [v for v in values if v is not None and not _is_number(v)]
+    if bad:
+        raise RewardError(f"reward function {name!r} returned non-numbers ({', '.join(repr(v) for v in bad[:3])}"
+                          f"{', ...' if len(bad) > 3 else ''}); return a list of floats (or None to skip an image)")
+    arr = [float("nan") if v is None else float(v) for v in values]
     n_inf = sum(math.isinf(v) for v in arr)
+    n_big = sum(math.isfinite(v) and abs(v) > FLOAT32_MAX for v in arr)
     if n_inf:  # an infinite score is as unusable as none
         warnings.warn(f"reward function {name!r} returned inf for {n_inf} of {n} images: treated as no score for "
                       "them", RuntimeWarning, stacklevel=3)
-    return [v if math.isfinite(v) else float("nan") for v in arr]
+    if n_big:  # infinite once in the float32 reward tensor: the same as inf
+        warnings.warn(f"reward function {name!r} returned a value beyond float32's range (|r| > 3.4e38) for {n_big} "
+                      f"of {n} images: treated as no score for them, like inf", RuntimeWarning, stacklevel=3)
+    return [v if math.isfinite(v) and abs(v) <= FLOAT32_MAX else float("nan") for v in arr]
+
+
+def _is_number(v) -> bool:
+    if isinstance(v, torch.Tensor):
+        return v.numel() == 1 and not v.dtype.is_complex
+    return isinstance(v, numbers.Real)
 
 
 def compute_rewards(
@@ -113,7 +130,12 @@ def compute_rewards(
     w = torch.tensor(weights, dtype=torch.float32)
     valid = ~torch.isnan(stacked)
     total = torch.where(valid, stacked * w, torch.zeros_like(stacked)).sum(dim=1)
-    total = torch.where(valid.any(dim=1), total, torch.full_like(total, float("nan")))
+    overflow = valid.any(dim=1) & ~torch.isfinite(total)  # finite scores whose weighted sum float32 cannot hold
+    if overflow.any():
+        warnings.warn(f"rewards {names}: the weighted sum (reward_weights {weights}) is beyond float32's range for "
+                      f"{int(overflow.sum())} of {n} images: treated as no score for them", RuntimeWarning,
+                      stacklevel=2)
+    total = torch.where(valid.any(dim=1) & ~overflow, total, torch.full_like(total, float("nan")))
     return total, per_func
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
-import json
 import math
 import os
 import time
@@ -28,6 +27,7 @@ from ..rewards.scheduling import OverlappedScoring, collect_scores
 from ..rollout import Rollout, sample_trajectories, step_samplers
 from .. import memory
 from . import checkpoints, guards, tracking
+from . import output_dir as run_dir
 from .base_config import FlowRLConfig
 from .checkpoints import LORA_WEIGHT_NAME, TrainerState  # noqa: F401  (re-exported)
 
@@ -58,6 +58,7 @@ class FlowRLTrainer:
         if not isinstance(config, self.config_class):
             raise TypeError(f"config: expected a {self.config_class.__name__}, got {type(config).__name__}")
         self.config = config
+        run_dir.check_writable(config.output_dir)  # before any compute: the run's outputs must be saveable
         self.reward_funcs, self.reward_names, self.reward_weights = validate_reward_funcs(
             reward_funcs, config.reward_weights
         )
@@ -497,14 +498,7 @@ class FlowRLTrainer:
 
         cfg, acc = self.config, self.accelerator
         resume = resume_from_checkpoint if resume_from_checkpoint is not None else cfg.resume_from_checkpoint
-        if resume:
-            self.load_checkpoint(resume)
-        else:
-            checkpoints.check_output_dir(cfg.output_dir, self.state.run_id, cfg.overwrite_output_dir)
-        if acc.is_main_process:
-            os.makedirs(cfg.output_dir, exist_ok=True)
-            checkpoints.clean_leftovers(cfg.output_dir)
-            self._rewrite_log_file()
+        run_dir.prepare(self, resume)  # resume, or refuse / (overwrite_output_dir) clear an earlier run's outputs
         if cfg.report_to:
             acc.init_trackers(cfg.run_name or self._method_name, config=_flat_config(cfg))
         start = self.state.global_step
@@ -555,13 +549,6 @@ class FlowRLTrainer:
         return (f"the newest complete checkpoint is {complete[-1].path}" if complete
                 else "no checkpoint was saved yet")
 
-    def _rewrite_log_file(self) -> None:
-        """log_history.jsonl = the restored history (no duplicate steps after a resume, no other run's lines)."""
-        path = os.path.join(self.config.output_dir, "log_history.jsonl")
-        with open(path, "w") as f:
-            for entry in self.state.log_history:
-                f.write(json.dumps(entry) + "\n")
-
     def training_iteration(self, step: int) -> dict[str, float]:
         """One iteration: rollout (with rewards), advantages, update. Returns its metrics."""
         t0 = time.perf_counter()
@@ -599,8 +586,7 @@ class FlowRLTrainer:
             self.accelerator.log({k: v for k, v in entry.items() if k != "step"}, step=step)
         if self.accelerator.is_main_process:
             os.makedirs(self.config.output_dir, exist_ok=True)
-            with open(os.path.join(self.config.output_dir, "log_history.jsonl"), "a") as f:
-                f.write(json.dumps(entry) + "\n")
+            run_dir.write_log(os.path.join(self.config.output_dir, run_dir.LOG_NAME), [entry])
 
     # ----------------------------------------------------------------------------------------- evaluation
     @contextlib.contextmanager
@@ -753,23 +739,24 @@ class FlowRLTrainer:
         metadata (so ``lora_alpha != r`` round-trips): ``pipe.load_lora_weights(output_dir)`` works.
         Full fine-tuning: the whole pipeline via ``save_pretrained``.
         """
-        output_dir = output_dir or self.config.output_dir
+        target = output_dir or self.config.output_dir
+        run_dir.check_writable(target, "save_model(output_dir)")
         acc = self.accelerator
         acc.wait_for_everyone()
         model = acc.unwrap_model(self.model)
         with self.ema_weights():
             if acc.is_main_process:
-                os.makedirs(output_dir, exist_ok=True)
+                os.makedirs(target, exist_ok=True)
                 if self.config.finetune == "lora":
                     from peft.utils import get_peft_model_state_dict
 
                     sd = {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(model).items()}
                     metadata = model.peft_config["default"].to_dict()
-                    self.adapter.save_lora_weights(output_dir, sd, metadata)
+                    self.adapter.save_lora_weights(target, sd, metadata)
                 else:
-                    self.pipe.save_pretrained(output_dir)
+                    self.pipe.save_pretrained(target)
         acc.wait_for_everyone()
-        return output_dir
+        return target
 
     def push_to_hub(self, commit_message: str = "End of training", private: bool | None = None,
                     include_replay_buffer: bool | None = None) -> str:

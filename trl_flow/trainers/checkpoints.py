@@ -143,21 +143,57 @@ def find_checkpoints(output_dir: str) -> tuple[list[CheckpointInfo], list[str]]:
     return complete, incomplete
 
 
+def normalize_resume(resume):
+    """``resume_from_checkpoint`` as ``None`` (do not resume), ``True`` (the newest complete checkpoint) or a path.
+    The strings a command line or a YAML recipe gives (``True`` / ``true`` / ``latest``; ``False`` / ``none`` / ``""``)
+    mean what the Python values do."""
+    if resume is None or resume is False:
+        return None
+    if resume is True:
+        return True
+    text = str(resume).strip()
+    if text.lower() in ("true", "latest", "yes", "1"):
+        return True
+    if text.lower() in ("false", "none", "no", "0", ""):
+        return None
+    return text
+
+
 def resolve_resume(resume, output_dir: str, print_fn=print) -> CheckpointInfo:
-    """The checkpoint to resume from: ``True`` / ``"latest"`` = the newest complete one in ``output_dir``
-    (incomplete ones are skipped with a warning), or an explicit folder, which must be complete."""
-    if resume is True or resume == "latest":
+    """The checkpoint to resume from: ``True`` / ``"latest"`` = the newest complete one in ``output_dir`` whose files
+    all match its marker (incomplete and corrupted ones are skipped with a warning), or an explicit folder, which
+    must be complete (never a ``.tmp`` folder of an interrupted save); its files are verified by
+    :func:`verify_files`."""
+    resume = normalize_resume(resume)
+    if resume is True:
         complete, incomplete = find_checkpoints(output_dir)
         for path in incomplete:
             warnings.warn(f"resume_from_checkpoint: skipping incomplete checkpoint {path} (no {COMPLETE_NAME}: its "
                           "save was interrupted)", RuntimeWarning, stacklevel=3)
+        errors = []
+        for info in reversed(complete):
+            try:
+                verify_files(info)
+            except ValueError as e:
+                warnings.warn(f"resume_from_checkpoint: skipping {info.path}: {e}", RuntimeWarning, stacklevel=3)
+                errors.append(str(e).split("; resume from")[0])
+                continue
+            return info
         if not complete:
             raise ValueError(f"resume_from_checkpoint: no complete checkpoint-* folder in {output_dir}"
                              + (f" (incomplete: {[os.path.basename(p) for p in incomplete]})" if incomplete else ""))
-        return complete[-1]
+        raise ValueError(f"resume_from_checkpoint: no checkpoint in {output_dir} is intact ({'; '.join(errors)}); "
+                         "start a new run (overwrite_output_dir=True) or restore the files")
     path = str(resume)
     if not os.path.isdir(path):
-        raise ValueError(f"resume_from_checkpoint: {path} is not a folder")
+        raise ValueError(f"resume_from_checkpoint={path!r}: not a folder; give a checkpoint-<N> folder, or "
+                         "resume_from_checkpoint=True for the newest complete checkpoint in output_dir")
+    name = os.path.basename(os.path.normpath(path))
+    if name.endswith(TMP_SUFFIX) or name.endswith(TRASH_SUFFIX):
+        complete, _ = find_checkpoints(os.path.dirname(os.path.abspath(path)))
+        hint = f"; the newest complete one next to it is {complete[-1].path}" if complete else ""
+        raise ValueError(f"resume_from_checkpoint={path!r}: an interrupted save or deletion, not a complete "
+                         f"checkpoint (it is deleted at the next start){hint}")
     info = read_marker(path)
     if info is None:
         complete, _ = find_checkpoints(os.path.dirname(os.path.abspath(path)))
@@ -176,19 +212,6 @@ def verify_files(info: CheckpointInfo) -> None:
         if os.path.getsize(path) != meta["size"] or _sha256(path) != meta["sha256"]:
             raise ValueError(f"checkpoint {info.path}: file {rel} is corrupted (its size or sha256 differs from "
                              f"{COMPLETE_NAME}); resume from another checkpoint")
-
-
-def check_output_dir(output_dir: str, run_id: str, overwrite: bool) -> None:
-    """A new run must not write into a folder holding another run's checkpoints, unless ``overwrite``."""
-    complete, incomplete = find_checkpoints(output_dir)
-    others = [os.path.basename(c.path) for c in complete if c.run_id != run_id]
-    others += [os.path.basename(p) for p in incomplete if not p.endswith(TMP_SUFFIX)]
-    if others and not overwrite:
-        raise ValueError(
-            f"output_dir={output_dir!r} already holds checkpoints of another run ({', '.join(sorted(others))}); "
-            "pass resume_from_checkpoint=True to continue that run, overwrite_output_dir=True to train a new run "
-            "there anyway (its checkpoints are kept until replaced; only this run's are rotated), or another output_dir"
-        )
 
 
 def clean_leftovers(output_dir: str) -> None:
@@ -219,6 +242,15 @@ def rotate(output_dir: str, run_id: str, limit: int | None) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------ save / load
+def follow_umask(path: str) -> None:
+    """Give ``path`` the mode a file the user creates gets (0666 minus the umask). safetensors writes its files
+    0600, unlike every other file of a checkpoint or a saved model."""
+    if os.path.isfile(path):
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(path, 0o666 & ~mask)
+
+
 def _sha256(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -276,6 +308,7 @@ def _ema_save(ema, params_named: list[str], path: str) -> None:
     shadow = sd.pop("shadow_params")
     save_file({n: p.detach().cpu().contiguous() for n, p in zip(params_named, shadow)},
               os.path.join(path, EMA_WEIGHTS_NAME))
+    follow_umask(os.path.join(path, EMA_WEIGHTS_NAME))
     _write_json(os.path.join(path, EMA_STATE_NAME), sd)
 
 
@@ -305,7 +338,11 @@ def save_checkpoint(trainer) -> str:
     tmp = final + TMP_SUFFIX
     existing = read_marker(final)
     if existing is not None and existing.run_id == state.run_id and existing.step == state.global_step:
-        return final
+        try:  # a corrupted one (skipped on resume) is rewritten
+            verify_files(existing)
+            return final
+        except ValueError:
+            pass
     if acc.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)

@@ -18,7 +18,8 @@ NO_REWARD_WARN_AFTER = 3
 # ------------------------------------------------------------------------------------------- launch, batch
 def check_launch(accelerator) -> None:
     """A launcher that started several processes (WORLD_SIZE > 1) must give accelerate as many: on a machine without
-    GPUs accelerate otherwise runs independent single-process copies that write into one output_dir."""
+    GPUs accelerate otherwise runs independent single-process copies that write into one output_dir. A run on
+    several processes says so once."""
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world > 1 and accelerator.num_processes == 1:
         raise RuntimeError(
@@ -27,6 +28,9 @@ def check_launch(accelerator) -> None:
             f"--nproc_per_node {world} train.py ...` or `ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu "
             f"--num_processes {world} train.py ...`"
         )
+    if accelerator.num_processes > 1:  # said once (the main process prints), not once per process
+        accelerator.print(f"Training on {accelerator.num_processes} processes "
+                          f"({getattr(accelerator.distributed_type, 'value', accelerator.distributed_type)})")
 
 
 def _nearest(value: int, ok) -> list[int]:
@@ -134,8 +138,15 @@ class NoRewardMonitor:
     def __init__(self):
         self.streak = 0
         self.skipped = 0
+        self.nonfinite = 0.0
 
     def update(self, metrics: dict, step: int) -> None:
+        nonfinite = float(metrics.get("nonfinite_skipped", self.nonfinite))
+        if nonfinite > self.nonfinite:  # a non-finite loss or gradient: that update was skipped, say so
+            warnings.warn(f"iteration {step + 1}: {nonfinite - self.nonfinite:g} non-finite loss / gradient "
+                          f"update(s) skipped (nonfinite_skipped={nonfinite:g}); check the rewards and the "
+                          "learning rate", RuntimeWarning, stacklevel=3)
+        self.nonfinite = nonfinite
         if metrics.get("no_reward_frac", 0.0) < 1.0:
             self.streak = 0
         else:
