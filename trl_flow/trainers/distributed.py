@@ -155,6 +155,9 @@ def prepare(trainer, transformer, optimizer):
         from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
         trainer.ref_model = fsdp2_prepare_model(acc, trainer.ref_model)
+        # Forward passes only: reshard the root's parameters after each too (accelerate keeps the trained root's
+        # gathered until its backward pass, which the reference never has).
+        trainer.ref_model.set_reshard_after_forward(True)
     if trainer.config.finetune == "lora":
         acc.register_save_state_pre_hook(lambda models, weights, out: _save_lora_hook(trainer, weights, out))
         acc.register_load_state_pre_hook(lambda models, inp: _load_lora_hook(trainer, models, inp))
