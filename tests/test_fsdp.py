@@ -251,3 +251,20 @@ def test_a_plain_run_records_its_distributed_type(tmp_path):
     tr.train()
     state = json.loads((tmp_path / "out" / "checkpoint-1" / "trainer_state.json").read_text())
     assert state["distributed"] == {"distributed_type": "NO", "num_processes": 1}
+
+
+@pytest.mark.parametrize("want, got, n, world, match", [
+    ("FSDP", "MULTI_GPU", 2, 2, "asks for FSDP but accelerate set up DistributedType.MULTI_GPU"),
+    ("DEEPSPEED", "NO", 1, 2, "DistributedType.NO with 1 process.*no GPU was found"),
+    # measured with deepspeed 0.19.8 on this CPU machine (not installed in CI): accelerate reports DEEPSPEED with 1
+    # process per copy while DeepSpeed's own gloo group has 2, and DeepSpeed then fails its batch-size check
+    ("DEEPSPEED", "DEEPSPEED", 1, 2, "counts 1 of the launcher's 2 processes"),
+    ("FSDP", "FSDP", 2, 2, None), (None, "MULTI_CPU", 2, 2, None), (None, "NO", 1, 1, None),
+])
+def test_what_accelerate_set_up_is_compared_with_the_request(want, got, n, world, match):
+    import re
+
+    from trl_flow.trainers.distributed import mismatch
+
+    problem = mismatch(want, got, n, world)
+    assert (problem is None) if match is None else bool(re.search(match, problem)), problem

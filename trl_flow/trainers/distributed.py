@@ -78,20 +78,37 @@ def make_accelerator(config):
     got = acc.distributed_type
     if want == "FSDP" and got == DistributedType.MULTI_CPU:
         _enable_cpu_fsdp2(acc)
-    elif want is not None and got.value != want:
-        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-        why = ("no GPU was found and the CPU was not forced, so accelerate set up no process group"
-               if got == DistributedType.NO else f"accelerate chose {got.value} instead")
-        raise DistributedSetupError(
-            f"the launch config asks for {want} but accelerate set up DistributedType.{got.value} with "
-            f"{acc.num_processes} process(es) (WORLD_SIZE={world}): {why}; the requested sharding would be dropped. "
-            "Fix: on GPUs check that they are visible (CUDA_VISIBLE_DEVICES); on CPU force it for FSDP2, e.g. "
-            "`ACCELERATE_USE_CPU=true trl-flow grpo --accelerate_config fsdp2 --num_processes 2 ...`")
+    else:
+        problem = mismatch(want, got.value, acc.num_processes, int(os.environ.get("WORLD_SIZE", "1") or 1))
+        if problem:
+            raise DistributedSetupError(problem)
     info = describe(acc)
     acc.print(f"trl_flow: accelerate {info['distributed_type']}, {info['num_processes']} process(es)"
               + (f", FSDP{info['fsdp_version']} ({info['fsdp_state_dict_type']})" if "fsdp_version" in info else "")
               + (" on CPU (gloo)" if info.get("fsdp_on_cpu") else ""))
     return acc
+
+
+def mismatch(want: str | None, got: str, num_processes: int, world: int) -> str | None:
+    """Why the set-up accelerate made (``got``: a DistributedType value, with ``num_processes`` of the launcher's
+    ``world``) is not the requested ``want``, with the fix; None when it is."""
+    if want is None:
+        return None
+    if got != want:
+        why = ("no GPU was found and the CPU was not forced, so accelerate set up no process group"
+               if got == "NO" else f"accelerate chose {got} instead")
+        return (f"the launch config asks for {want} but accelerate set up DistributedType.{got} with {num_processes} "
+                f"process(es) (WORLD_SIZE={world}): {why}; the requested sharding would be dropped. Fix: on GPUs "
+                "check that they are visible (CUDA_VISIBLE_DEVICES); on CPU force it for FSDP2, e.g. "
+                "`ACCELERATE_USE_CPU=true trl-flow grpo --accelerate_config fsdp2 --num_processes 2 ...`")
+    if num_processes != world:
+        # DeepSpeed without a GPU: DeepSpeed forms the process group (gloo, its CPU accelerator), but accelerate
+        # finds no device backend and counts 1 process per copy; DeepSpeed then rejects the batch arithmetic.
+        return (f"the launch config asks for {want}: accelerate set up DistributedType.{got} but counts "
+                f"{num_processes} of the launcher's {world} processes (it found no GPU, so it did not join the process "
+                f"group {want} formed). Fix: run {want} on GPUs; on CPU use --accelerate_config fsdp2 (FSDP2 shards "
+                "over CPU processes, with ACCELERATE_USE_CPU=true) or multi_gpu (DDP)")
+    return None
 
 
 def _enable_cpu_fsdp2(acc) -> None:
