@@ -4,6 +4,7 @@ Layout of ``output_dir/checkpoint-<step>`` (a folder appears under this name onl
 
     pytorch_lora_weights.safetensors   LoRA in diffusers format: pipe.load_lora_weights(<checkpoint>) works
     model.safetensors                  full fine-tuning only (accelerate save_state)
+    pytorch_model_fsdp.bin             under FSDP instead (accelerate's FSDP save_state; distributed.check_resume)
     optimizer.bin, random_states_<rank>.pkl, scaler.pt   accelerate save_state (read back with weights_only=True)
     scheduler.json, trainer_state.json, trainer_config.json, ema.safetensors + ema.json
     replay_buffer/ ...                 method-specific state (save_extra_state), e.g. OP-GRPO's buffer
