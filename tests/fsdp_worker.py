@@ -2,7 +2,7 @@
 
     ACCELERATE_USE_CPU=1 <fsdp2 env> python -m torch.distributed.run --nproc_per_node 2 tests/fsdp_worker.py OUT SPECS
 
-SPECS: comma-separated ``<TrainerClass>:<lora|full>`` runs (2 iterations, a checkpoint each, then ``save_model``),
+SPECS: comma-separated ``<TrainerClass>:<lora|full>[:bf16]`` runs (2 iterations, a checkpoint each, then ``save_model``),
 ``resume:<TrainerClass>:<lora|full>:<checkpoint>`` runs (resume from that checkpoint into OUT/resume-...), and
 ``refuse:<TrainerClass>`` (building it must raise: the message goes to ``refuse-<TrainerClass>.json``).
 Per run the main process writes ``<name>.safetensors``: the gathered iteration records and the trained weights
@@ -100,10 +100,11 @@ def main(out_root: str, specs: list[str]) -> None:
             tr = make(getattr(trl_flow, cls_name), os.path.join(out_root, name), finetune,
                       gradient_accumulation_steps=accumulation)
             run(tr, name, out_root, resume=checkpoint)
-        else:
-            cls_name, finetune = parts
-            name = f"{cls_name}-{finetune}"
-            run(make(getattr(trl_flow, cls_name), os.path.join(out_root, name), finetune), name, out_root)
+        else:  # <TrainerClass>:<lora|full>[:bf16]
+            cls_name, finetune, *precision = parts
+            name = "-".join([cls_name, finetune, *precision])
+            run(make(getattr(trl_flow, cls_name), os.path.join(out_root, name), finetune, bf16=precision == ["bf16"]),
+                name, out_root)
 
 
 if __name__ == "__main__":

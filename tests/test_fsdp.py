@@ -79,6 +79,13 @@ def fsdp(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def fsdp_one(fsdp, tmp_path_factory):
+    """One 1-process FSDP2 launch (torchrun --nproc_per_node 1, same environment) resuming both 2-process checkpoints."""
+    specs = [f"resume:FlowGRPOTrainer:{ft}:{fsdp}/FlowGRPOTrainer-{ft}/checkpoint-1" for ft in ("lora", "full")]
+    return _launch(tmp_path_factory.mktemp("fsdp_one"), specs, nproc=1)
+
+
+@pytest.fixture(scope="module")
 def ddp(tmp_path_factory):
     return _launch(tmp_path_factory.mktemp("ddp"), RUNS, fsdp=False)
 
@@ -170,7 +177,7 @@ def test_fsdp2_shards_and_matches_ddp_and_one_process(fsdp, ddp, tmp_path, spec)
 
 
 @pytest.mark.parametrize("finetune", ["lora", "full"])
-def test_fsdp2_checkpoint_resumes_bit_identically_on_two_and_to_rounding_on_one(fsdp, tmp_path, finetune):
+def test_fsdp2_checkpoint_resumes_bit_identically_on_two_and_to_rounding_on_one(fsdp, fsdp_one, finetune):
     name = f"FlowGRPOTrainer-{finetune}"
     full_run, _ = _load(fsdp, name)
     files = sorted(os.listdir(fsdp / name / "checkpoint-1"))
@@ -194,8 +201,7 @@ def test_fsdp2_checkpoint_resumes_bit_identically_on_two_and_to_rounding_on_one(
     assert saved[0].keys() == saved[1].keys() and all(torch.equal(saved[0][k], saved[1][k]) for k in saved[0])
 
     # 1 FSDP process (torchrun --nproc_per_node 1, same environment): accelerate's full state dicts re-shard.
-    one = _launch(tmp_path, [f"resume:FlowGRPOTrainer:{finetune}:{fsdp}/{name}/checkpoint-1"], nproc=1)
-    resumed, info = _load(one, f"resume-{name}")
+    resumed, info = _load(fsdp_one, f"resume-{name}")
     assert info["distributed"]["num_processes"] == 1
     same_iteration(resumed, exact=False)
     # 1e-3 of the ~2e-3 update (learning rate 1e-3, 2 Adam steps); measured: 2e-9 (LoRA), 1.5e-8 (full)
