@@ -99,3 +99,93 @@ def test_cpu_two_process_launch_trains_with_two_processes(tmp_path):
     assert all(lines == ["2 2", "2 2"] for lines in records.values()), records
     history = [json.loads(line) for line in open(out / "log_history.jsonl")]
     assert [h["step"] for h in history] == [1] and os.path.exists(out / "pytorch_lora_weights.safetensors")
+
+
+def _cli_env(tmp_path, logs):
+    (tmp_path / "rank_rewards.py").write_text(REWARD_MODULE)
+    return dict(os.environ, ACCELERATE_USE_CPU="true", RANK_LOG_DIR=str(logs), OMP_NUM_THREADS="1",
+                PYTHONPATH=os.pathsep.join([ROOT, str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+
+
+ONE_ITERATION = ["--config", "shapes_flow_grpo", "--reward_funcs", "rank_rewards:rank_reward", "--max_steps", "1",
+                 "--eval_steps", "0", "--prompts_per_step", "2", "--num_generations", "2",
+                 "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1", "--disable_tqdm", "true",
+                 "--save_steps", "1"]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _machine(rank, port, out, env, cwd, ip="127.0.0.1", extra=()):
+    """One simulated machine of the shipped multi_node config: 2 machines, 1 process each."""
+    cmd = [sys.executable, "-m", "trl_flow.cli", "grpo", "--accelerate_config", "multi_node", "--num_machines", "2",
+           "--num_processes", "2", "--machine_rank", str(rank), "--main_process_ip", ip, "--main_process_port",
+           str(port), *extra, *ONE_ITERATION, "--output_dir", str(out)]
+    return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_simulated_two_machine_launch_trains_one_iteration_and_writes_one_checkpoint(tmp_path):
+    """`trl-flow --accelerate_config multi_node` on two "machines" (machine_rank 0 and 1, one process each, main
+    process on 127.0.0.1): one iteration, each rank scores its half, the checkpoint is written once."""
+    logs = tmp_path / "ranks"
+    logs.mkdir()
+    env, out, port = _cli_env(tmp_path, logs), tmp_path / "out", _free_port()
+    procs = [_machine(r, port, out, env, tmp_path) for r in (1, 0)]
+    results = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [e[-3000:] for _, e in results]
+    records = {name.split("-")[0]: open(logs / name).read().split("\n")[:-1] for name in os.listdir(logs)}
+    assert set(records) == {"0", "1"} and all(lines == ["2 2", "2 2"] for lines in records.values()), records
+    assert [json.loads(line)["step"] for line in open(out / "log_history.jsonl")] == [1]
+    assert sorted(n for n in os.listdir(out) if n.startswith("checkpoint")) == ["checkpoint-1"]
+    marker = json.load(open(out / "checkpoint-1" / "checkpoint_complete.json"))
+    assert marker["num_processes"] == 2 and marker["distributed_type"] == "MULTI_CPU"
+    assert {"random_states_0.pkl", "random_states_1.pkl"} <= set(os.listdir(out / "checkpoint-1"))
+    state = json.load(open(out / "checkpoint-1" / "trainer_state.json"))
+    assert state["distributed"] == {"distributed_type": "MULTI_CPU", "num_processes": 2}
+
+
+def test_a_missing_machine_or_a_wrong_main_ip_stops_within_the_timeout_with_a_clear_error(tmp_path):
+    """Machine 0 alone waits for machine 1; machine 1 pointed at an unreachable address (TEST-NET-1) cannot connect.
+    Both stop after `--rdzv_conf timeout=5` (torchrun's default: 600 s) with an error naming what to check."""
+    import time
+
+    logs = tmp_path / "ranks"
+    logs.mkdir()
+    env, port = _cli_env(tmp_path, logs), _free_port()
+    t0 = time.monotonic()
+    procs = [_machine(0, port, tmp_path / "a", env, tmp_path, extra=["--rdzv_conf", "timeout=5"]),
+             _machine(1, _free_port(), tmp_path / "b", env, tmp_path, ip="192.0.2.1",
+                      extra=["--rdzv_conf", "timeout=5"])]
+    results = [p.communicate(timeout=120) for p in procs]
+    assert time.monotonic() - t0 < 100
+    assert [p.returncode for p in procs] == [2, 2], [e[-2000:] for _, e in results]
+    alone, wrong_ip = (e for _, e in results)
+    assert "machine_rank 0 of 2 machines could not meet the others at the main process 127.0.0.1" in alone
+    assert "within 5 s" in alone and "1/2 clients joined" in alone
+    assert "machine_rank 1 of 2 machines could not meet the others at the main process 192.0.2.1" in wrong_ip
+    assert "--main_process_ip" in wrong_ip and "--rdzv_conf timeout=SECONDS" in wrong_ip
+    assert not os.listdir(logs)  # no process started training
+
+
+def test_cpu_fsdp2_launch_really_shards(tmp_path):
+    """The issue's command: `ACCELERATE_USE_CPU=true trl-flow grpo --accelerate_config fsdp2 --num_processes 2`
+    now runs FSDP2 (it used to be DDP without a word) and writes a loadable LoRA."""
+    logs = tmp_path / "ranks"
+    logs.mkdir()
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "trl_flow.cli", "grpo", "--accelerate_config", "fsdp2", "--num_processes", "2",
+           "--main_process_port", str(_free_port()), *ONE_ITERATION, "--output_dir", str(out)]
+    proc = subprocess.run(cmd, env=_cli_env(tmp_path, logs), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "trl_flow: accelerate FSDP, 2 process(es), FSDP2 (FULL_STATE_DICT) on CPU (gloo)" in proc.stdout
+    state = json.load(open(out / "checkpoint-1" / "trainer_state.json"))
+    assert state["distributed"]["distributed_type"] == "FSDP" and state["distributed"]["num_processes"] == 2
+    assert "pytorch_model_fsdp.bin" in os.listdir(out / "checkpoint-1")
+    from trl_flow.tasks import shapes
+
+    shapes.load_base_pipeline().load_lora_weights(str(out))

@@ -295,7 +295,31 @@ def _launch(command: str, argv: list[str], script_args: ScriptArguments, launch_
     args = launch_command_parser().parse_args(
         ["--config_file", config_file, *launch_args, "--module", "trl_flow.cli", command, *kept])
     with patch_environment(**{_CHILD_ENV: "1"}):  # the started processes run the command, not another launch
-        launch_command(args)
+        try:
+            launch_command(args)
+        except Exception as e:  # the launcher's own rendezvous (before any process starts) failed
+            import torch.distributed as dist
+
+            if not isinstance(e, dist.DistError):
+                raise
+            raise CLIError(_rendezvous_error(args, config_file, e)) from e
+
+
+def _rendezvous_error(args, config_file: str, error: Exception) -> str:
+    """What a failed rendezvous of ``accelerate launch`` means and what to check (torchrun times out after
+    ``--rdzv_conf timeout=SECONDS``, default 600)."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    config = load_config_from_file(config_file)
+    pick = lambda name: getattr(args, name, None) if getattr(args, name, None) is not None else getattr(config, name, None)  # noqa: E731
+    conf = dict(kv.split("=", 1) for kv in (args.rdzv_conf or "").split(",") if "=" in kv)
+    machines, rank = pick("num_machines"), pick("machine_rank")
+    where = f"{pick('main_process_ip')}:{pick('main_process_port')}"
+    return (f"machine_rank {rank} of {machines} machines could not meet the others at the main process {where} within "
+            f"{conf.get('timeout', 600)} s ({type(error).__name__}: {str(error).strip().splitlines()[0]}). Check that "
+            f"--main_process_ip / --main_process_port are the first machine's (machine_rank 0) and reachable from "
+            f"every machine, and that all {machines} machines were started with the same --num_machines and "
+            "--num_processes; `--rdzv_conf timeout=SECONDS` sets how long to wait")
 
 
 def run(command: str, argv: list[str]):

@@ -26,7 +26,7 @@ from ..rewards import RewardError, compute_rewards, validate_reward_funcs
 from ..rewards.scheduling import OverlappedScoring, collect_scores
 from ..rollout import Rollout, sample_trajectories, step_samplers
 from .. import memory
-from . import checkpoints, guards, tracking
+from . import checkpoints, distributed, guards, tracking
 from . import output_dir as run_dir
 from .base_config import FlowRLConfig
 from .checkpoints import LORA_WEIGHT_NAME, TrainerState  # noqa: F401  (re-exported)
@@ -53,8 +53,6 @@ class FlowRLTrainer:
 
     # ------------------------------------------------------------------------------------------------ set-up
     def __init__(self, config, pipe, reward_funcs, train_dataset=None, eval_dataset=None):
-        from accelerate import Accelerator
-
         if not isinstance(config, self.config_class):
             raise TypeError(f"config: expected a {self.config_class.__name__}, got {type(config).__name__}")
         self.config = config
@@ -79,10 +77,7 @@ class FlowRLTrainer:
                 "(VAE scale factor x transformer patch size) for this pipeline"
             )
         self.adapter.check_size(config.height, config.width)
-        mp = "bf16" if config.bf16 else "fp16" if config.fp16 else "no"
-        self.accelerator = Accelerator(
-            mixed_precision=mp, log_with=config.report_to or None, project_dir=config.output_dir
-        )
+        self.accelerator = distributed.make_accelerator(config)  # what the launch asked for, or an error
         guards.check_launch(self.accelerator)
         guards.check_batch(config, self.accelerator.num_processes)
         if config.push_to_hub:  # fail now, not after training, when the Hub cannot be reached
@@ -90,6 +85,8 @@ class FlowRLTrainer:
 
             check_hub_access(self.accelerator)
         self.state = TrainerState()
+        self.state.distributed = distributed.describe(self.accelerator)
+        distributed.check_trainer(self)
         self._check_rewards()
         try:
             self._setup_model()
@@ -172,16 +169,13 @@ class FlowRLTrainer:
             num_training_steps=cfg.max_steps * self.optimizer_steps_per_iteration,
         )
         # The LR scheduler is not prepared (accelerate would step it once per process); checkpoints.py saves it.
-        self.model, self.optimizer = acc.prepare(transformer, optimizer)
+        self.model, self.optimizer = distributed.prepare(self, transformer, optimizer)  # also the LoRA file hooks
         self.ema = None
         if cfg.ema_decay > 0:
             from diffusers.training_utils import EMAModel
 
             self.ema = EMAModel(self.trainable_params, decay=cfg.ema_decay)
             self.ema.to(acc.device)
-        if cfg.finetune == "lora":
-            acc.register_save_state_pre_hook(self._save_lora_hook)
-            acc.register_load_state_pre_hook(self._load_lora_hook)
 
     # -------------------------------------------------------------------------------------------- randomness
     def _generator(self, step: int, purpose: str, per_process: bool = False, device="cpu") -> torch.Generator:
@@ -707,15 +701,6 @@ class FlowRLTrainer:
         tracking.grid(images[:64]).save(os.path.join(out, filename))
 
     # ---------------------------------------------------------------------------------------- checkpoints
-    def _save_lora_hook(self, models, weights, output_dir):
-        if self.accelerator.is_main_process:
-            checkpoints.write_lora(self, output_dir)
-        weights.clear()  # only the adapter is saved, not the frozen base weights
-
-    def _load_lora_hook(self, models, input_dir):
-        models.pop()
-        checkpoints.read_lora(self, input_dir)
-
     def save_checkpoint(self) -> str:
         """Write ``output_dir/checkpoint-<step>`` kill-safely (see :mod:`~trl_flow.trainers.checkpoints`);
         rotated by ``save_total_limit`` among this run's checkpoints."""
@@ -738,25 +723,11 @@ class FlowRLTrainer:
         LoRA: ``pytorch_lora_weights.safetensors`` via the pipeline's ``save_lora_weights``, with the adapter
         metadata (so ``lora_alpha != r`` round-trips): ``pipe.load_lora_weights(output_dir)`` works.
         Full fine-tuning: the whole pipeline via ``save_pretrained``.
+        Under FSDP every process gathers the sharded weights and the main process writes the same files.
         """
         target = output_dir or self.config.output_dir
         run_dir.check_writable(target, "save_model(output_dir)")
-        acc = self.accelerator
-        acc.wait_for_everyone()
-        model = acc.unwrap_model(self.model)
-        with self.ema_weights():
-            if acc.is_main_process:
-                os.makedirs(target, exist_ok=True)
-                if self.config.finetune == "lora":
-                    from peft.utils import get_peft_model_state_dict
-
-                    sd = {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(model).items()}
-                    metadata = model.peft_config["default"].to_dict()
-                    self.adapter.save_lora_weights(target, sd, metadata)
-                else:
-                    self.pipe.save_pretrained(target)
-        acc.wait_for_everyone()
-        return target
+        return distributed.save_model(self, target)
 
     def push_to_hub(self, commit_message: str = "End of training", private: bool | None = None,
                     include_replay_buffer: bool | None = None) -> str:

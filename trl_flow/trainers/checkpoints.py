@@ -4,6 +4,7 @@ Layout of ``output_dir/checkpoint-<step>`` (a folder appears under this name onl
 
     pytorch_lora_weights.safetensors   LoRA in diffusers format: pipe.load_lora_weights(<checkpoint>) works
     model.safetensors                  full fine-tuning only (accelerate save_state)
+    pytorch_model_fsdp.bin             under FSDP instead (accelerate's FSDP save_state; distributed.check_resume)
     optimizer.bin, random_states_<rank>.pkl, scaler.pt   accelerate save_state (read back with weights_only=True)
     scheduler.json, trainer_state.json, trainer_config.json, ema.safetensors + ema.json
     replay_buffer/ ...                 method-specific state (save_extra_state), e.g. OP-GRPO's buffer
@@ -36,6 +37,8 @@ import uuid
 import warnings
 
 import torch
+
+from . import distributed
 
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 COMPLETE_NAME = "checkpoint_complete.json"
@@ -74,9 +77,13 @@ class TrainerState:
         self.global_step = 0
         self.log_history: list[dict] = []
         self.run_id = uuid.uuid4().hex[:12]
+        #: accelerate's distributed type and process count of this run (distributed.describe); a resumed run keeps
+        #: its own, the checkpoint's is in the saved trainer_state.json
+        self.distributed: dict = {}
 
     def state_dict(self):
-        return {"global_step": self.global_step, "log_history": self.log_history, "run_id": self.run_id}
+        return {"global_step": self.global_step, "log_history": self.log_history, "run_id": self.run_id,
+                "distributed": self.distributed}
 
     def load_state_dict(self, sd):
         self.global_step = int(sd["global_step"])
@@ -272,13 +279,14 @@ def _read_json(path: str):
         raise ValueError(f"checkpoint file {path} cannot be read: {e}") from None
 
 
-def write_lora(trainer, output_dir: str) -> None:
+def write_lora(trainer, output_dir: str, sd: dict | None = None) -> None:
     """The current (not EMA) LoRA weights as ``pytorch_lora_weights.safetensors`` via the pipeline's
-    ``save_lora_weights``, with the adapter metadata (so ``lora_alpha != r`` round-trips)."""
-    from peft.utils import get_peft_model_state_dict
+    ``save_lora_weights``, with the adapter metadata (so ``lora_alpha != r`` round-trips). ``sd``: the full
+    adapter weights (:func:`~trl_flow.trainers.distributed.lora_state_dict`, gathered by every process when sharded)."""
+    from .distributed import lora_state_dict
 
     model = trainer.accelerator.unwrap_model(trainer.model)
-    sd = {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(model).items()}
+    sd = lora_state_dict(trainer) if sd is None else sd
     trainer.adapter.save_lora_weights(output_dir, sd, model.peft_config["default"].to_dict())
 
 
@@ -301,12 +309,13 @@ def read_lora(trainer, input_dir: str) -> None:
                          "(saved with other lora_target_modules?)")
 
 
-def _ema_save(ema, params_named: list[str], path: str) -> None:
+def _ema_save(ema, params_named: list[str], path: str, shadow: list) -> None:
+    """``shadow``: the EMA weights as full tensors (gathered by every process when sharded)."""
     from safetensors.torch import save_file
 
     sd = ema.state_dict()
-    shadow = sd.pop("shadow_params")
-    save_file({n: p.detach().cpu().contiguous() for n, p in zip(params_named, shadow)},
+    sd.pop("shadow_params")
+    save_file({n: p for n, p in zip(params_named, shadow)},
               os.path.join(path, EMA_WEIGHTS_NAME))
     follow_umask(os.path.join(path, EMA_WEIGHTS_NAME))
     _write_json(os.path.join(path, EMA_STATE_NAME), sd)
@@ -320,8 +329,9 @@ def _ema_load(ema, params_named: list[str], path: str, decay: float) -> None:
     missing = [n for n in params_named if n not in tensors]
     if missing:
         raise ValueError(f"checkpoint {path}: {EMA_WEIGHTS_NAME} lacks {missing[:3]}")
-    device = ema.shadow_params[0].device if ema.shadow_params else "cpu"
-    sd["shadow_params"] = [tensors[n].to(device) for n in params_named]
+    from .distributed import like
+
+    sd["shadow_params"] = [like(tensors[n], p) for n, p in zip(params_named, ema.shadow_params)]  # sharded like the weights
     ema.load_state_dict(sd)
     ema.decay = decay  # the current config's decay (a change is reported by compare_configs)
 
@@ -347,14 +357,15 @@ def save_checkpoint(trainer) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     acc.wait_for_everyone()
-    acc.save_state(tmp)  # model (LoRA via the pre-hook), optimizer, RNG states, grad scaler
+    acc.save_state(tmp)  # model (LoRA via the pre-hook), optimizer, RNG states, grad scaler; FSDP: sharded by accelerate
+    ema_full = None if trainer.ema is None else distributed.full_tensors(trainer.ema.shadow_params)  # a collective
     acc.wait_for_everyone()
     if acc.is_main_process:
         _write_json(os.path.join(tmp, SCHEDULER_NAME), trainer.lr_scheduler.state_dict())
         _write_json(os.path.join(tmp, STATE_NAME), state.state_dict())
         _write_json(os.path.join(tmp, CONFIG_NAME), flat_config(cfg))
         if trainer.ema is not None:
-            _ema_save(trainer.ema, _trainable_names(trainer), tmp)
+            _ema_save(trainer.ema, _trainable_names(trainer), tmp, ema_full)
         trainer.save_extra_state(tmp)
         files = {}
         for root, _, names in os.walk(tmp):
@@ -365,7 +376,7 @@ def save_checkpoint(trainer) -> str:
                 files[os.path.relpath(p, tmp)] = {"size": os.path.getsize(p), "sha256": _sha256(p)}
         marker = {"format": _FORMAT, "version": 1, "run_id": state.run_id, "step": state.global_step,
                   "method": trainer._method_name, "trainer_class": type(trainer).__name__, "time": time.time(),
-                  "num_processes": acc.num_processes, "files": files}
+                  "num_processes": acc.num_processes, "distributed_type": acc.distributed_type.value, "files": files}
         with open(os.path.join(tmp, COMPLETE_NAME), "w", encoding="utf-8") as f:
             json.dump(marker, f, indent=1)
             f.flush()
@@ -391,6 +402,7 @@ def load_checkpoint(trainer, resume) -> CheckpointInfo:
                          f"is {trainer._method_name!r}; resume it with the same trainer class")
     saved_cfg = _read_json(os.path.join(info.path, CONFIG_NAME))
     notices = compare_configs(saved_cfg, flat_config(cfg))
+    distributed.check_resume(trainer, info.path, _read_json(os.path.join(info.path, COMPLETE_NAME)).get("num_processes"))
     try:
         acc.load_state(info.path)
     except Exception as e:

@@ -1,0 +1,286 @@
+"""A trainer's distributed set-up: the accelerator a run really gets, model wrapping, and what sharding changes.
+
+A run is what its launch config says, or it stops. The launcher tells the processes what was asked for
+(``ACCELERATE_USE_FSDP`` / ``ACCELERATE_USE_DEEPSPEED``, set by ``accelerate launch`` from the config's
+``distributed_type``); :func:`make_accelerator` compares it with what accelerate set up and raises
+:class:`DistributedSetupError`, naming what happened and the fix, when the request was turned into DDP or into
+nothing. :func:`describe` is what every run records (``trainer_state.json`` and its first log line).
+
+FSDP2 on CPU. accelerate only selects FSDP on an accelerator device: with the CPU forced (``ACCELERATE_USE_CPU``)
+it sets up ``MULTI_CPU`` (gloo) and would wrap the model in DDP, silently dropping the sharding. Its FSDP2 code
+itself (``fully_shard`` block by block, DTensor-aware gradient clipping, ``no_sync``, ``save_state`` /
+``load_state`` of sharded model and optimizer, ``get_state_dict``) runs on CPU processes over gloo. So for an FSDP2
+request on CPU we keep accelerate's gloo process group and switch its state to FSDP with the plugin built from the
+launcher's ``FSDP_*`` variables (:func:`_enable_cpu_fsdp2`): the rest of the run takes accelerate's own FSDP2
+path. FSDP1 and DeepSpeed are refused on CPU (accelerate's FSDP1 path and DeepSpeed's ZeRO engine need a GPU here).
+
+What sharding changes for the trainer (all here, so that the loop itself is the same under DDP and FSDP):
+parameters become DTensors after ``prepare`` (the trainable list is rebuilt from the prepared model, EMA shadows
+are DTensors too), the frozen reference copy of ``finetune="full"`` is sharded like the trained model, and every
+export (LoRA file, EMA, ``save_model``) gathers full tensors on every process before the main one writes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+#: Method names whose processes may run different numbers of transformer forward passes in an iteration (OP-GRPO:
+#: a process's replayed tails are shorter than its fresh trajectories). FSDP gathers every block's parameters in
+#: every forward pass, from every process, so such a method would deadlock under FSDP.
+UNEVEN_FORWARDS = ("op_grpo",)
+
+
+class DistributedSetupError(RuntimeError):
+    """The launch asked for a distributed mode this run does not get."""
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "false").strip().lower() in ("1", "true", "yes")
+
+
+def requested() -> str | None:
+    """The sharded mode the launcher asked for: ``"FSDP"``, ``"DEEPSPEED"`` or None (DDP / one process)."""
+    if _flag("ACCELERATE_USE_DEEPSPEED"):
+        return "DEEPSPEED"
+    if _flag("ACCELERATE_USE_FSDP"):
+        return "FSDP"
+    return None
+
+
+def _check_request_before(want: str | None) -> None:
+    """Requests refused before accelerate is set up (it would drop them, or fail less clearly)."""
+    if not _flag("ACCELERATE_USE_CPU"):
+        return
+    if want == "DEEPSPEED":
+        raise DistributedSetupError(
+            "the launch config asks for DeepSpeed (ACCELERATE_USE_DEEPSPEED=true) but the CPU is forced "
+            "(ACCELERATE_USE_CPU=true): accelerate never enables DeepSpeed then and would train with DDP instead. "
+            "Fix: run zero2 / zero3 on GPUs, or on CPU use --accelerate_config fsdp2 (FSDP2 shards over CPU "
+            "processes) or multi_gpu (DDP)")
+    if want == "FSDP" and os.environ.get("FSDP_VERSION", "1") != "2":
+        raise DistributedSetupError(
+            f"the launch config asks for FSDP version {os.environ.get('FSDP_VERSION', '1')} with the CPU forced "
+            "(ACCELERATE_USE_CPU=true): only FSDP2 runs on CPU here. Fix: set fsdp_version: 2 (the shipped fsdp2 "
+            "config does), or use multi_gpu (DDP)")
+
+
+def make_accelerator(config):
+    """The run's ``Accelerator``: what the launch asked for, or :class:`DistributedSetupError`."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
+    want = requested()
+    _check_request_before(want)
+    mp = "bf16" if config.bf16 else "fp16" if config.fp16 else "no"
+    acc = Accelerator(mixed_precision=mp, log_with=config.report_to or None, project_dir=config.output_dir)
+    got = acc.distributed_type
+    if want == "FSDP" and got == DistributedType.MULTI_CPU:
+        _enable_cpu_fsdp2(acc)
+    else:
+        problem = mismatch(want, got.value, acc.num_processes, int(os.environ.get("WORLD_SIZE", "1") or 1))
+        if problem:
+            raise DistributedSetupError(problem)
+    info = describe(acc)
+    acc.print(f"trl_flow: accelerate {info['distributed_type']}, {info['num_processes']} process(es)"
+              + (f", FSDP{info['fsdp_version']} ({info['fsdp_state_dict_type']})" if "fsdp_version" in info else "")
+              + (" on CPU (gloo)" if info.get("fsdp_on_cpu") else ""))
+    return acc
+
+
+def mismatch(want: str | None, got: str, num_processes: int, world: int) -> str | None:
+    """Why the set-up accelerate made (``got``: a DistributedType value, with ``num_processes`` of the launcher's
+    ``world``) is not the requested ``want``, with the fix; None when it is."""
+    if want is None:
+        return None
+    if got != want:
+        why = ("no GPU was found and the CPU was not forced, so accelerate set up no process group"
+               if got == "NO" else f"accelerate chose {got} instead")
+        return (f"the launch config asks for {want} but accelerate set up DistributedType.{got} with {num_processes} "
+                f"process(es) (WORLD_SIZE={world}): {why}; the requested sharding would be dropped. Fix: on GPUs "
+                "check that they are visible (CUDA_VISIBLE_DEVICES); on CPU force it for FSDP2, e.g. "
+                "`ACCELERATE_USE_CPU=true trl-flow grpo --accelerate_config fsdp2 --num_processes 2 ...`")
+    if num_processes != world:
+        # DeepSpeed without a GPU: DeepSpeed forms the process group (gloo, its CPU accelerator), but accelerate
+        # finds no device backend and counts 1 process per copy; DeepSpeed then rejects the batch arithmetic.
+        return (f"the launch config asks for {want}: accelerate set up DistributedType.{got} but counts "
+                f"{num_processes} of the launcher's {world} processes (it found no GPU, so it did not join the process "
+                f"group {want} formed). Fix: run {want} on GPUs; on CPU use --accelerate_config fsdp2 (FSDP2 shards "
+                "over CPU processes, with ACCELERATE_USE_CPU=true) or multi_gpu (DDP)")
+    return None
+
+
+def _enable_cpu_fsdp2(acc) -> None:
+    """Switch accelerate's CPU (gloo) state to its FSDP2 path, with the plugin the launcher's FSDP_* variables give."""
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin()  # reads FSDP_VERSION, FSDP_STATE_DICT_TYPE, ... like accelerate does
+    if plugin.fsdp_version != 2:
+        raise DistributedSetupError(f"fsdp_version={plugin.fsdp_version}: only FSDP2 runs on CPU; set fsdp_version: 2")
+    acc.state.fsdp_plugin = plugin
+    acc.state.distributed_type = DistributedType.FSDP
+    # AcceleratorState copies PartialState's shared state whenever it is built again: switch both.
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    acc.state.fsdp_on_cpu = True
+
+
+def is_fsdp(acc) -> bool:
+    return acc.distributed_type.value == "FSDP"
+
+
+def describe(acc) -> dict:
+    """What a run records: accelerate's distributed type and process count (and the FSDP settings)."""
+    info = {"distributed_type": acc.distributed_type.value, "num_processes": acc.num_processes}
+    if is_fsdp(acc):
+        plugin = acc.state.fsdp_plugin
+        info.update(fsdp_version=plugin.fsdp_version, fsdp_state_dict_type=plugin.state_dict_type.name,
+                    fsdp_on_cpu=bool(getattr(acc.state, "fsdp_on_cpu", False)))
+    return info
+
+
+def check_trainer(trainer) -> None:
+    """Sharding needs every process to run the same forward passes (FSDP gathers each block's weights in each)."""
+    acc = trainer.accelerator
+    if not is_fsdp(acc) or acc.num_processes == 1:
+        return
+    if trainer._method_name in UNEVEN_FORWARDS:
+        raise DistributedSetupError(
+            f"{type(trainer).__name__} under FSDP with {acc.num_processes} processes: its processes run different "
+            "numbers of transformer forward passes (replayed trajectories regenerate only their tails), which FSDP "
+            "cannot do (every forward pass gathers the weights from every process). Fix: --accelerate_config "
+            "multi_gpu (DDP), or one process")
+    n_eval = len(trainer.eval_dataset) if trainer.eval_dataset is not None else 0
+    if trainer.config.eval_steps and n_eval % acc.num_processes:
+        raise DistributedSetupError(
+            f"eval_dataset: {n_eval} prompts do not split evenly over {acc.num_processes} FSDP processes (each "
+            "process must generate as many images); use a multiple of the process count, or eval_steps=0")
+
+
+# ------------------------------------------------------------------------------------------------ wrapping
+def prepare(trainer, transformer, optimizer):
+    """``accelerator.prepare`` the trained transformer and its optimizer; returns (model, optimizer).
+
+    Rebuilds ``trainer.trainable_params`` from the prepared model (FSDP2 replaces every parameter by a DTensor
+    one), shards the frozen reference copy (``finetune="full"``, ``beta > 0``) like the model, and registers the
+    checkpoint hooks of the LoRA file."""
+    acc = trainer.accelerator
+    model, optimizer = acc.prepare(transformer, optimizer)
+    trainer.trainable_params = [p for p in model.parameters() if p.requires_grad]
+    if is_fsdp(acc) and trainer.ref_model is not None:
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+        trainer.ref_model = fsdp2_prepare_model(acc, trainer.ref_model)
+        # Forward passes only: reshard the root's parameters after each too (accelerate keeps the trained root's
+        # gathered until its backward pass, which the reference never has).
+        trainer.ref_model.set_reshard_after_forward(True)
+    if trainer.config.finetune == "lora":
+        acc.register_save_state_pre_hook(lambda models, weights, out: _save_lora_hook(trainer, weights, out))
+        acc.register_load_state_pre_hook(lambda models, inp: _load_lora_hook(trainer, models, inp))
+    return model, optimizer
+
+
+def full_tensors(tensors):
+    """DTensors gathered to full (CPU) tensors, others detached to CPU: a dict or a list. With sharding this is a
+    collective: every process calls it, in the same order."""
+    from torch.distributed.tensor import DTensor
+
+    def full(t):
+        t = t.detach()
+        return (t.full_tensor() if isinstance(t, DTensor) else t).cpu().contiguous()
+
+    if isinstance(tensors, dict):
+        return {k: full(v) for k, v in tensors.items()}
+    return [full(t) for t in tensors]
+
+
+def like(full: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """``full`` placed like ``ref``: sharded the same way if ``ref`` is a DTensor, else on its device."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(ref, DTensor):
+        return distribute_tensor(full.to(ref.device_mesh.device_type, ref.dtype), ref.device_mesh, ref.placements)
+    return full.to(ref.device, ref.dtype)
+
+
+def lora_state_dict(trainer) -> dict:
+    """The trained adapter's weights as full CPU tensors (peft names); every process calls it."""
+    from peft.utils import get_peft_model_state_dict
+
+    return full_tensors(get_peft_model_state_dict(trainer.accelerator.unwrap_model(trainer.model)))
+
+
+def _save_lora_hook(trainer, weights, output_dir):
+    from . import checkpoints
+
+    sd = lora_state_dict(trainer)  # every process: gathering sharded weights is a collective
+    if trainer.accelerator.is_main_process:
+        checkpoints.write_lora(trainer, output_dir, sd)
+    weights.clear()  # DDP / 1 process: only the adapter is saved, not the frozen base weights
+
+
+def _load_lora_hook(trainer, models, input_dir):
+    from . import checkpoints
+
+    if is_fsdp(trainer.accelerator):
+        return  # accelerate loads the sharded model itself (FSDP: `models` is empty)
+    models.pop()
+    checkpoints.read_lora(trainer, input_dir)
+
+
+# ------------------------------------------------------------------------------------------- checkpoints
+FSDP_MODEL_PREFIX = "pytorch_model_fsdp"
+
+
+def check_resume(trainer, path: str, saved_processes: int | None) -> None:
+    """A checkpoint holds either sharded (FSDP) or plain model and optimizer files; a run of the other kind cannot
+    read it: refuse, naming the launch that can."""
+    acc = trainer.accelerator
+    saved_fsdp = any(name.startswith(FSDP_MODEL_PREFIX) for name in os.listdir(path))
+    n = f"{saved_processes} processes" if saved_processes else "several processes"
+    if saved_fsdp and not is_fsdp(acc):
+        raise ValueError(
+            f"resume_from_checkpoint: {path} was written under FSDP ({n}; {FSDP_MODEL_PREFIX}* files), this run is "
+            f"DistributedType.{acc.distributed_type.value} with {acc.num_processes} process(es) and cannot read it. "
+            "Resume it under FSDP, on any number of processes: e.g. `ACCELERATE_USE_CPU=true trl-flow <command> "
+            "--accelerate_config fsdp2 --num_processes 1 ...` (or torchrun --nproc_per_node 1 with the fsdp2 "
+            "environment); the LoRA file in it loads anywhere with pipe.load_lora_weights")
+    if is_fsdp(acc) and not saved_fsdp:
+        raise ValueError(
+            f"resume_from_checkpoint: {path} was written without FSDP ({n}), this run is FSDP: resume it with the "
+            "launch it was written with (multi_gpu, or one process)")
+
+
+# ------------------------------------------------------------------------------------------------ export
+def save_model(trainer, output_dir: str) -> str:
+    """See :meth:`FlowRLTrainer.save_model`; under FSDP every process gathers, the main one writes."""
+    acc = trainer.accelerator
+    acc.wait_for_everyone()
+    model = acc.unwrap_model(trainer.model)
+    with trainer.ema_weights():
+        if trainer.config.finetune == "lora":
+            sd = lora_state_dict(trainer)
+            if acc.is_main_process:
+                os.makedirs(output_dir, exist_ok=True)
+                trainer.adapter.save_lora_weights(output_dir, sd, model.peft_config["default"].to_dict())
+        elif is_fsdp(acc):
+            sd = acc.get_state_dict(trainer.model)  # full weights on the main process (a collective)
+            if acc.is_main_process:
+                _save_pipeline_with(trainer.pipe, model, sd, output_dir)
+        elif acc.is_main_process:
+            trainer.pipe.save_pretrained(output_dir)
+    acc.wait_for_everyone()
+    return output_dir
+
+
+def _save_pipeline_with(pipe, sharded, state_dict: dict, output_dir: str) -> None:
+    """``pipe.save_pretrained`` with the transformer rebuilt unsharded from ``state_dict`` (full weights)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = next(c for c in type(sharded).__mro__ if not issubclass(c, FSDPModule))  # FSDP2 subclasses the model
+    plain = cls.from_config(sharded.config)
+    plain.load_state_dict(state_dict, strict=True)
+    components = {**pipe.components, "transformer": plain}
+    os.makedirs(output_dir, exist_ok=True)
+    type(pipe)(**components).save_pretrained(output_dir)
