@@ -219,6 +219,10 @@ def test_a_recipe_key_misspelled_gets_a_did_you_mean(tmp_path):
     recipe.write_text("learning_rat: 1e-4\n")
     with pytest.raises(cli.CLIError, match=r"did you mean: learning_rat -> learning_rate\?"):
         cli.parse_args("grpo", ["--config", str(recipe)])
+    with pytest.raises(cli.CLIError, match=r"did you mean --config shapes_flow_grpo\?"):
+        cli.parse_args("grpo", ["--config", "shapes_flowgrpo"])
+    with pytest.raises(cli.CLIError, match=r"did you mean --accelerate_config multi_gpu\?"):
+        cli._resolve_yaml("multigpu", "accelerate_configs", "--accelerate_config")
 
 
 def test_bad_values_are_one_line_errors_naming_the_flag(capsys):

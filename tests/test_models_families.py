@@ -317,3 +317,21 @@ def test_load_pipeline_round_trip(tmp_path, family):
     pipe = load_pipeline(str(tmp_path / "pipe"))
     assert type(get_adapter(pipe)) is (FluxAdapter if family == "flux" else WanAdapter)
     assert pipe.tokenizer_2 is not None if family == "flux" else pipe.tokenizer is not None
+
+
+def test_load_pipeline_passes_the_dtype_without_a_deprecation_warning(tmp_path):
+    """diffusers deprecates ``torch_dtype`` (a FutureWarning on every load): load_pipeline passes the keyword this
+    diffusers documents, and the dtype still arrives."""
+    import warnings
+
+    import torch
+
+    from trl_flow.models import load_pipeline
+    from trl_flow.testing import tiny_sd3_pipeline
+
+    tiny_sd3_pipeline().save_pretrained(tmp_path / "pipe")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pipe = load_pipeline(str(tmp_path / "pipe"), "bfloat16")
+    assert [str(w.message) for w in caught if "torch_dtype" in str(w.message)] == []
+    assert pipe.transformer.dtype == torch.bfloat16

@@ -112,7 +112,9 @@ def _resolve_yaml(value: str, kind: str, flag: str) -> str:
     name = value[: -len(".yaml")] if value.endswith(".yaml") else value
     if name in found:
         return found[name]
-    raise CLIError(f"{flag} {value}: not a file and not a name shipped in trl_flow/{kind} ({', '.join(found)})")
+    close = difflib.get_close_matches(name, list(found), n=1, cutoff=0.6)
+    hint = f"; did you mean {flag} {close[0]}?" if close else ""
+    raise CLIError(f"{flag} {value}: not a file and not a name shipped in trl_flow/{kind} ({', '.join(found)}){hint}")
 
 
 def trainer_classes(command: str):

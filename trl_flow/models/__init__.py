@@ -38,9 +38,20 @@ def load_pipeline(model_name_or_path: str, torch_dtype="float32", **kwargs):
     for name, value in index.items():
         if not name.startswith("_") and isinstance(value, (list, tuple)) and list(value) == [None, None]:
             kwargs.setdefault(name, None)
-    pipe = DiffusionPipeline.from_pretrained(model_name_or_path, torch_dtype=dtype, **kwargs)
+    pipe = DiffusionPipeline.from_pretrained(model_name_or_path, **{_dtype_keyword(): dtype}, **kwargs)
     get_adapter(pipe)  # fail early for an unsupported family
     return pipe
+
+
+def _dtype_keyword() -> str:
+    """``dtype`` where this diffusers' ``from_pretrained`` documents it (newer releases deprecate ``torch_dtype``
+    with a FutureWarning on every load), else ``torch_dtype``."""
+    import re
+
+    from diffusers import DiffusionPipeline
+
+    doc = DiffusionPipeline.from_pretrained.__doc__ or ""
+    return "dtype" if re.search(r"^\s*dtype \(", doc, flags=re.M) else "torch_dtype"
 
 
 __all__ = ["load_pipeline", "FlowAdapter", "FluxAdapter", "PromptEmbeds", "Schedule", "SD3Adapter", "WanAdapter",
