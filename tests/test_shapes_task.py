@@ -369,3 +369,28 @@ def test_corner_occupancy_separates_discs_from_soft_cornered_squares():
     for y, x in [(0, 0), (0, 6), (6, 0), (6, 6)]:
         rounded7[y, x] = 0  # a 7x7 box without its corner cells covers 3/4 of its 2x2-cell corner patches
     assert comp(rounded7)["shape"] == "square"
+
+
+def test_dense_reward_grades_the_square_circle_decision_by_corner_occupancy():
+    # a square drawn on the VAE's 2x2 grid loses its corner cells one by one (the order a disc rounds them):
+    # the dense score of "a red square" never rises and falls through the detector's corner threshold, the score
+    # of "a red circle" rises, and the hard detector flips from square to circle where the soft decision crosses
+    d = 8
+    order = [(0, 0), (0, d - 1), (d - 1, 0), (d - 1, d - 1), (0, 1), (1, 0), (0, d - 2), (1, d - 1), (d - 1, 1),
+             (d - 2, 0), (d - 1, d - 2), (d - 2, d - 1)]
+    sq, ci, read = [], [], []
+    for k in range(len(order) + 1):
+        m = np.ones((d, d), dtype=bool)
+        for y, x in order[:k]:
+            m[y, x] = False
+        img = np.zeros((3, 32, 32), dtype=np.float32)
+        img[0, 4 : 4 + 2 * d, 4 : 4 + 2 * d] = np.kron(m, np.ones((2, 2)))
+        sq.append(reward.dense_score(img, "a red square"))
+        ci.append(reward.dense_score(img, "a red circle"))
+        read.append(reward.detect(img)[0]["shape"])
+    assert all(a >= b - 1e-9 for a, b in zip(sq, sq[1:])) and sq[0] > 0.99 and sq[-1] < 0.45, sq
+    assert all(a > b for a, b in zip(sq[3:9], sq[4:9])), sq  # strictly graded around the threshold
+    assert ci[8] > ci[4] + 0.5 and ci[0] < 0.45, ci
+    flip = read.index("circle")
+    assert set(read[:flip]) == {"square"} and set(read[flip:]) == {"circle"}
+    assert sq[flip - 1] >= ci[flip - 1] - 1e-6 and sq[flip] < ci[flip]

@@ -392,7 +392,8 @@ def dense_score(image, prompt) -> float:
     """A dense, graded version of :func:`score`'s ``partial``: the same constraints, each scored in [0, 1] from
     :func:`soft_objects` (soft counts ``sum w p``; a count constraint scores ``max(0, 1 - |got - want|)``, a
     presence ``min(1, got)``, the relation a sigmoid of GenEval's angular margin). Equals 1 only for a clean,
-    correct image, and moves with every pixel that changes a component's fill ratio, corner occupancy, size or position."""
+    correct image, and moves with every pixel that changes a component's fill ratio, corner occupancy, size or
+    position."""
     spec = _as_spec(prompt)
     objs = soft_objects(image)
 
