@@ -59,7 +59,8 @@ def test_unmasked_objective_is_the_unclipped_one_and_the_mask_changes_the_update
     """With a threshold nothing reaches, Flow-DPPO's update is -mean(rho A): the same weights as Flow-GRPO with a
     clip range nothing reaches (ratios stay within 1 +- 0.99); with the default threshold it differs."""
     def run(config_class, trainer_class, **kw):
-        config = tiny_config(tmp_path, config_class, max_steps=1, num_inner_epochs=2, **kw)
+        out = tmp_path / f"run{len(list(tmp_path.glob('run*')))}"  # a new run needs a folder of its own
+        config = tiny_config(tmp_path, config_class, max_steps=1, num_inner_epochs=2, output_dir=str(out), **kw)
         trainer = trainer_class(config, tiny_sd3_pipeline(), [brightness], train_dataset=list(PROMPTS))
         trainer.train()
         return lora(trainer), trainer.state.log_history[-1]

@@ -93,10 +93,10 @@ def prepare(trainer, resume) -> None:
         if found and not cfg.overwrite_output_dir:
             resumable = any(checkpoints.read_marker(os.path.join(cfg.output_dir, n)) for n in found
                             if n.startswith("checkpoint-"))
-            resume_hint = ("resume_from_checkpoint=True to continue its newest checkpoint, " if resumable else
-                           "(it has no complete checkpoint to resume from) ")
+            resume_hint = ("pass resume_from_checkpoint=True to continue its newest checkpoint, or pass " if resumable
+                           else "it has no complete checkpoint to resume from: pass ")
             raise ValueError(
-                f"output_dir={cfg.output_dir!r} already holds an earlier run's outputs ({', '.join(found)}); pass "
+                f"output_dir={cfg.output_dir!r} already holds an earlier run's outputs ({', '.join(found)}); "
                 f"{resume_hint}overwrite_output_dir=True to delete them and start a new run there, or choose "
                 "another output_dir")
         acc.wait_for_everyone()
