@@ -26,12 +26,6 @@ import os
 
 import torch
 
-#: Method names whose processes may run different numbers of transformer forward passes in an iteration (OP-GRPO:
-#: a process's replayed tails are shorter than its fresh trajectories). FSDP gathers every block's parameters in
-#: every forward pass, from every process, so such a method would deadlock under FSDP.
-UNEVEN_FORWARDS = ("op_grpo",)
-
-
 class DistributedSetupError(RuntimeError):
     """The launch asked for a distributed mode this run does not get."""
 
@@ -145,7 +139,10 @@ def check_trainer(trainer) -> None:
     acc = trainer.accelerator
     if not is_fsdp(acc) or acc.num_processes == 1:
         return
-    if trainer._method_name in UNEVEN_FORWARDS:
+    # A trainer whose processes may run different numbers of transformer forward passes in an iteration (OP-GRPO: a
+    # process's replayed tails are shorter than its fresh trajectories) sets `uneven_forwards`. FSDP gathers every
+    # block's parameters in every forward pass, from every process, so such a method would deadlock under FSDP.
+    if getattr(trainer, "uneven_forwards", False):
         raise DistributedSetupError(
             f"{type(trainer).__name__} under FSDP with {acc.num_processes} processes: its processes run different "
             "numbers of transformer forward passes (replayed trajectories regenerate only their tails), which FSDP "

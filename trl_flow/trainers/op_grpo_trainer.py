@@ -53,6 +53,8 @@ class OPGRPOTrainer(FlowGRPOTrainer):
 
     config_class = OPGRPOConfig
     _method_name = "op_grpo"
+    #: processes run different numbers of transformer forwards per iteration (replayed tails): refused under FSDP
+    uneven_forwards = True
     paper = "OP-GRPO, arXiv 2604.04142"
 
     def __init__(self, config, pipe, reward_funcs, train_dataset=None, eval_dataset=None,
