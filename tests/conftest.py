@@ -84,12 +84,8 @@ def make_trainer(tmp_path, fresh_pipe):
     FlowGRPOTrainer on a fresh tiny pipeline with :func:`tiny_config`."""
     from trl_flow import FlowGRPOTrainer
 
-    made = []
-
     def _make(rewards=None, train_dataset=None, eval_dataset=None, pipe=None, **overrides):
-        # each trainer its own default output_dir: a new run refuses a folder holding an earlier run's outputs
-        made.append(None)
-        overrides.setdefault("output_dir", str(tmp_path / ("out" if len(made) == 1 else f"out{len(made)}")))
+        overrides.setdefault("output_dir", str(tmp_path / "out"))
         config = tiny_config(tmp_path, **overrides)
         return FlowGRPOTrainer(
             config,

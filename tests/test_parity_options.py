@@ -106,11 +106,12 @@ def test_guidance_grad(make_trainer, mode):
     assert torch.equal(out.log_prob.detach(), rollout.log_probs[idx, k])
 
 
-def test_guidance_grad_changes_the_gradient(make_trainer):
+def test_guidance_grad_changes_the_gradient(make_trainer, tmp_path):
     """The two modes differ (so the option is not a no-op)."""
     grads = {}
     for mode in ("cond_only", "both"):
-        trainer = make_trainer(guidance_scale=4.5, guidance_grad=mode, learning_rate=5e-2, max_steps=1)
+        trainer = make_trainer(guidance_scale=4.5, guidance_grad=mode, learning_rate=5e-2, max_steps=1,
+                               output_dir=str(tmp_path / mode))  # a new run needs a folder of its own
         trainer.train()
         rollout = trainer.make_rollout(1)
         trainer.model.train()

@@ -29,11 +29,11 @@ def _lora(trainer):
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
 
 
-def test_overlapped_scoring_gives_the_sequential_results(make_trainer):
+def test_overlapped_scoring_gives_the_sequential_results(make_trainer, tmp_path):
     runs = {}
     for workers in (0, 2):
         trainer = make_trainer(rewards=[per_sample, half_none], train_dataset=DATA, reward_num_workers=workers,
-                               per_device_train_batch_size=2, max_steps=1)
+                               per_device_train_batch_size=2, max_steps=1, output_dir=str(tmp_path / f"w{workers}"))
         trainer.train()
         runs[workers] = (trainer.last_rollout, trainer)
     (r0, t0), (r2, t2) = runs[0], runs[2]
