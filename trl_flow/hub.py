@@ -236,7 +236,7 @@ def build_model_card(trainer, repo_id: str, base_model: str | None, license: dic
     widget = [{"text": prompts[0], "output": {"url": GRID_PATH}}]
     data = ModelCardData(base_model=base_model, pipeline_tag=pipeline_tag, widget=widget,
                          base_model_relation=("adapter" if lora else "finetune") if base_model else None, **license)
-    fields = {k: v for k, v in {**cfg.to_dict(), **cfg.resolved_defaults()}.items() if k not in _PRIVATE_FIELDS}
+    fields = {k: v for k, v in cfg.resolved_dict().items() if k not in _PRIVATE_FIELDS}
     rewards = ", ".join(f"`{n}` (weight {w:g})" for n, w in zip(trainer.reward_names, trainer.reward_weights))
     if lora:
         load = f'pipe.load_lora_weights("{repo_id}")'

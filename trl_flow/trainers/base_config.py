@@ -199,3 +199,7 @@ class FlowRLConfig:
     def to_dict(self) -> dict:
         """The fields as set (None stays None: "the default"); ``resolved_defaults()`` gives what they mean."""
         return asdict(self)
+
+    def resolved_dict(self) -> dict:
+        """The fields with those left at None replaced by what they stand for (for logs, checkpoints, cards)."""
+        return {**self.to_dict(), **self.resolved_defaults()}

@@ -106,8 +106,8 @@ class CheckpointInfo:
 def flat_config(cfg) -> dict:
     """The config as JSON-able scalars (lists and other values as their ``str``), as saved in trainer_config.json;
     fields left at None ("the default") hold the value they stand for in this config (``resolved_defaults``)."""
-    values = {**cfg.to_dict(), **cfg.resolved_defaults()}
-    return {k: (v if isinstance(v, (int, float, str, bool)) or v is None else str(v)) for k, v in values.items()}
+    return {k: (v if isinstance(v, (int, float, str, bool)) or v is None else str(v))
+            for k, v in cfg.resolved_dict().items()}
 
 
 # --------------------------------------------------------------------------------------------------- discovery
