@@ -69,15 +69,19 @@ TIERS = {
     0: dict(base="clean", train="category:position", evals={"val": ("val:position", 100), "test": ("test:position", 100)},
             primary="val", score="partial", reward="partial", steps=50, eval_every=10),
     1: dict(base="noisy", train=TIER1_PROMPTS, evals={"trained": (TIER1_PROMPTS, 64), "val": ("val:position", 64)},
-            primary="trained", score="strict", reward="dense", steps=30, eval_every=5),
+            primary="trained", score="strict", reward="relation", steps=30, eval_every=5, config="ROLLOUT_16"),
     2: dict(base="noisy", train=TIER2_PROMPTS, evals={"trained": (TIER2_PROMPTS, 128), "val": ("val:position", 64)},
-            primary="trained", score="strict", reward="dense", steps=40, eval_every=5),
+            primary="trained", score="strict", reward="relation", steps=60, eval_every=10, config="ROLLOUT_16"),
     3: dict(base="noisy", train="category:position",
             evals={"val": ("val:position", 100), "test": ("test:position", 100)},
-            primary="val", score="strict", reward="dense", steps=50, eval_every=10),
+            primary="val", score="strict", reward="relation", steps=50, eval_every=10, config="ROLLOUT_16"),
 }
+# Tiers 1-3 (pilot, docs/benchmarks.md): 16 samples per group and microbatches of 32 without accumulation, i.e.
+# 4 optimizer steps per iteration of 8 groups; with BASE's 8 x 8 and one step per iteration Flow-GRPO drifted down.
+TIER_CONFIGS = {"ROLLOUT_16": dict(num_generations=16, gradient_accumulation_steps=1)}
+PILOT: dict = {}  # --set KEY=VALUE: over BASE and the tier's config, under a method's own overrides
 # Learning rate per (tier, method) chosen by the committed sweep (docs/benchmarks.md); others use BASE's.
-SWEPT_LR: dict[int, dict[str, float]] = {}
+SWEPT_LR: dict[int, dict[str, float]] = {2: {"flow_grpo": 1e-3}}
 # Acceptance of tier 2 (issue 18): Flow-GRPO's final score on the trained prompts beats the base by these.
 ACCEPT_GAIN, ACCEPT_STDS, ACCEPT_CPU_MIN = 0.15, 3.0, 15.0
 
@@ -190,22 +194,33 @@ def parse_label(label: str) -> tuple[str, float | None]:
     return method, (float(lr) if lr else None)
 
 
-def run_one(label: str, seed: int, tier_id: int, steps: int, eval_every: int, eval_scale: float, out: str,
-            base_name: str | None = None) -> dict:
+def run_config(label: str, seed: int, tier_id: int, steps: int, out: str):
+    """The trainer config of one run: ``BASE``, then the tier's config, then ``--set``, then the method's own
+    overrides, then the learning rate (``method@lr``, else ``SWEPT_LR``, else ``BASE``'s). Returns (config, trainer
+    class)."""
     import trl_flow
-    from trl_flow.rewards import get_reward
 
     tier = TIERS[tier_id]
-    base_name = base_name or tier["base"]
     method, lr = parse_label(label)
     cfg_name, tr_name, overrides = METHODS[method]
     cfg_cls, tr_cls = getattr(trl_flow, cfg_name), getattr(trl_flow, tr_name)
     lr = lr if lr is not None else SWEPT_LR.get(tier_id, {}).get(method, BASE["learning_rate"])
-    kwargs = {**BASE, **overrides, "learning_rate": lr, "seed": seed, "max_steps": steps,
+    tier_config = TIER_CONFIGS.get(tier.get("config"), {})
+    kwargs = {**BASE, **tier_config, **PILOT, **overrides, "learning_rate": lr, "seed": seed, "max_steps": steps,
               "output_dir": os.path.join(out, "runs", f"{label}_seed{seed}")}
     kwargs = {k: v for k, v in kwargs.items() if k in cfg_cls.__dataclass_fields__}
-    config = cfg_cls(**kwargs)
-    reward = get_reward(f"shapes_{tier['reward']}")  # the registry's shapes_partial / shapes_strict / shapes_dense
+    return cfg_cls(**kwargs), tr_cls
+
+
+def run_one(label: str, seed: int, tier_id: int, steps: int, eval_every: int, eval_scale: float, out: str,
+            base_name: str | None = None) -> dict:
+    from trl_flow.rewards import get_reward
+
+    tier = TIERS[tier_id]
+    base_name = base_name or tier["base"]
+    config, tr_cls = run_config(label, seed, tier_id, steps, out)
+    lr = config.learning_rate
+    reward = get_reward(f"shapes_{tier['reward']}")  # the registry's shapes_partial / _strict / _dense / _relation
     trainer = tr_cls(config, load_base(base_name), [reward], train_dataset=train_prompts(tier))
     sets = eval_sets(tier, eval_scale)
     primary, score = tier["primary"], tier["score"]
@@ -232,7 +247,8 @@ def run_one(label: str, seed: int, tier_id: int, steps: int, eval_every: int, ev
 def _task(tier: dict) -> dict:
     return {"train": tier["train"] if isinstance(tier["train"], str) else list(tier["train"]),
             "evals": {k: [v[0] if isinstance(v[0], str) else list(v[0]), v[1]] for k, v in tier["evals"].items()},
-            "primary": tier["primary"], "score": tier["score"], "reward": tier["reward"]}
+            "primary": tier["primary"], "score": tier["score"], "reward": tier["reward"],
+            "config": TIER_CONFIGS.get(tier.get("config"), {})}
 
 
 # --------------------------------------------------------------------------------------------- summary
@@ -419,7 +435,7 @@ def plot(runs: list[dict], summary: dict, out: str) -> None:
 def write_outputs(runs, args: dict, out: str, tier_id: int) -> dict:
     summary = summarise(runs, tier_id)
     with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump({"args": args, "base": BASE, "tier": tier_id, "task": summary["task"], "summary": summary,
+        json.dump({"args": args, "base": {**BASE, **PILOT}, "tier": tier_id, "task": summary["task"], "summary": summary,
                    "runs": runs}, f)
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
@@ -452,12 +468,23 @@ def main(argv=None):
     ap.add_argument("--eval-every", type=int, default=None, help="default: the tier's")
     ap.add_argument("--eval-scale", type=float, default=1.0, help="scales the tier's evaluation image counts")
     ap.add_argument("--base", default=None, help="base model: clean or noisy (default: the tier's)")
+    ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="override BASE, or the tier's reward / config (reward=dense, config=none), for a pilot; "
+                         "give it its own --out")
     ap.add_argument("--jobs", type=int, default=1, help="runs in parallel, one single-threaded process each")
     ap.add_argument("--out", default=None, help="default: benchmarks/results/shapes_tier<N> (tier 0: .../shapes)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 1 seed, flow_grpo + op_grpo, 3 iterations")
     ap.add_argument("--summarise-only", action="store_true", help="rebuild the outputs from --out/runs/*.json")
     ap.add_argument("--run-one", nargs=2, metavar=("METHOD", "SEED"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    for kv in args.set:
+        key, _, val = kv.partition("=")
+        if key in ("reward", "config"):
+            TIERS[args.tier] = {**TIERS[args.tier], key: val}
+        elif key not in BASE:
+            raise SystemExit(f"--set {kv}: {key!r} is not a BASE key ({', '.join(BASE)}) or 'reward'")
+        else:
+            PILOT[key] = type(BASE[key])(json.loads(val)) if not isinstance(BASE[key], str) else val
     tier = TIERS[args.tier]
     args.out = args.out or default_out(args.tier)
     args.steps = args.steps or tier["steps"]
@@ -467,7 +494,7 @@ def main(argv=None):
     if args.quick:
         args.methods, args.seeds, args.steps, args.eval_every, args.eval_scale = (
             ["flow_grpo", "op_grpo"], [0], 3, 2, 4 / max(n for _, n in tier["evals"].values()))
-        BASE.update(prompts_per_step=4, num_generations=4, per_device_train_batch_size=16, num_inference_steps=6,
+        PILOT.update(prompts_per_step=4, num_generations=4, per_device_train_batch_size=16, num_inference_steps=6,
                     eval_num_inference_steps=10)
     os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
     if args.run_one:
@@ -507,6 +534,7 @@ def _passthrough(args) -> list[str]:
     out = ["--tier", str(args.tier), "--steps", str(args.steps), "--eval-every", str(args.eval_every),
            "--eval-scale", str(args.eval_scale), "--out", args.out]
     out += ["--base", args.base] if args.base else []
+    out += ["--set", *args.set] if args.set else []
     return out + (["--quick"] if args.quick else [])
 
 

@@ -46,3 +46,29 @@ def test_quick_harness_writes_every_output(tmp_path):
     assert set(saved["acceptance"]) >= {"gain", "gain_ok", "gain_at_least_0.08", "gain_at_least_3_std", "cleanliness_ok"}
     table = (tmp_path / "table.md").read_text()
     assert "| flow_grpo |" in table and "| op_grpo |" in table
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("bench_shapes_cfg", os.path.join(ROOT, "benchmarks", "shapes.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_run_config_layers_base_tier_pilot_method_and_learning_rate(tmp_path):
+    mod = _load()
+    # tier 2: the tier's rollout config over BASE (16 per group, no accumulation), the relation reward
+    cfg, tr = mod.run_config("flow_dppo@3e-3", 1, 2, 5, str(tmp_path))
+    assert tr.__name__ == "FlowDPPOTrainer" and mod.TIERS[2]["reward"] == "relation"
+    assert (cfg.num_generations, cfg.gradient_accumulation_steps, cfg.num_inner_epochs) == (16, 1, 2)
+    assert (cfg.learning_rate, cfg.seed, cfg.max_steps, cfg.clip_range) == (3e-3, 1, 5, mod.BASE["clip_range"])
+    # tier 0 keeps BASE's 8 x 8 with accumulation; without @lr the swept rate or BASE's applies
+    cfg0, _ = mod.run_config("flow_grpo", 0, 0, 5, str(tmp_path))
+    assert (cfg0.num_generations, cfg0.gradient_accumulation_steps) == (8, 2)
+    assert cfg0.learning_rate == mod.SWEPT_LR.get(0, {}).get("flow_grpo", mod.BASE["learning_rate"])
+    # --set goes over the tier's config and under the method's own overrides
+    mod.PILOT.update(num_generations=4, num_inner_epochs=3)
+    cfg_p, _ = mod.run_config("flow_dppo", 0, 2, 5, str(tmp_path))
+    assert cfg_p.num_generations == 4 and cfg_p.num_inner_epochs == 2
+    mod.PILOT.clear()

@@ -256,6 +256,41 @@ def test_dense_reward_is_graded_and_agrees_with_the_detector():
     assert all(a > b for a, b in zip(scores, scores[1:])), scores
 
 
+def test_relation_reward_weights_the_relation_half_and_keeps_the_shape_terms():
+    rng = np.random.default_rng(3)
+    pos = [p for p, c in grammar.all_prompts() if c == "position"][::5]
+    images = render_batch(pos, rng=rng)
+    flip = {"left": "right", "right": "left", "above": "below", "below": "above"}
+    flipped = []
+    for p in pos:
+        rel = grammar.parse_prompt(p).relation
+        word = {"left": "to the left of", "right": "to the right of", "above": "above", "below": "below"}
+        flipped.append(p.replace(word[rel], word[flip[rel]]))
+    rel_ok = np.array(shapes.shapes_relation_reward(images, pos))
+    rel_bad = np.array(shapes.shapes_relation_reward(images, flipped))
+    dense_ok = np.array(shapes.shapes_dense_reward(images, pos))
+    dense_bad = np.array(shapes.shapes_dense_reward(images, flipped))
+    assert rel_ok.min() > 0.8
+    # a wrong relation costs about half the relation reward, a tenth of the dense reward
+    assert (rel_ok - rel_bad).mean() > 0.4 and (dense_ok - dense_bad).mean() < 0.15
+    # 0.5 * relation + 0.5 * mean(other terms), with the other terms those of the dense score
+    for img, p in zip(images[:4], pos[:4]):
+        full, r0, r1 = (reward.dense_score(img, p, relation_weight=w) for w in (None, 0.0, 1.0))
+        assert reward.dense_score(img, p, relation_weight=0.5) == pytest.approx(0.5 * r0 + 0.5 * r1)
+        # the dense score averages n terms, the relation one (n = 10 for two colours and two shapes, fewer shared)
+        assert any(full == pytest.approx(((n - 1) * r0 + r1) / n) for n in (8, 9, 10)), (full, r0, r1)
+    # the shape terms stay in: the right relation between a wrong shape scores below the right one
+    wrong_shape = [p.replace("circle", "CIRCLE").replace("square", "circle").replace("CIRCLE", "square") for p in pos]
+    changed = [i for i, (a, b) in enumerate(zip(pos, wrong_shape)) if a != b]
+    assert changed and (np.array(shapes.shapes_relation_reward(images, wrong_shape))[changed] < rel_ok[changed] - 0.1).all()
+    # prompts without a relation: exactly the dense reward
+    plain = [p for p, c in grammar.all_prompts() if c == "colors"][:6]
+    im2 = render_batch(plain, rng=rng)
+    assert shapes.shapes_relation_reward(im2, plain) == shapes.shapes_dense_reward(im2, plain)
+    with pytest.raises(ValueError, match="relation_weight"):
+        reward.dense_score(images[0], pos[0], relation_weight=1.5)
+
+
 # ------------------------------------------------------------------------ caption noise, noisy-caption base
 
 

@@ -52,6 +52,7 @@ register_function("jpeg_incompressibility", lambda: jpeg_incompressibility)
 register_function("shapes_strict", _shapes("shapes_strict"))
 register_function("shapes_partial", _shapes("shapes_partial"))
 register_function("shapes_dense", _shapes("shapes_dense"))
+register_function("shapes_relation", _shapes("shapes_relation"))
 del _f
 
 __all__ = [

@@ -42,6 +42,7 @@ from .reward import (
     shape_cleanliness,
     shapes_dense_reward,
     shapes_partial_reward,
+    shapes_relation_reward,
     shapes_strict_reward,
 )
 from .grammar import noisy_caption
@@ -77,6 +78,7 @@ __all__ = [
     "shape_cleanliness",
     "shapes_partial_reward",
     "shapes_dense_reward",
+    "shapes_relation_reward",
     "dense_score",
     "rl_train_prompts",
     "val_prompts",
