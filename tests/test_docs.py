@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import glob
+import json
 import os
 import re
 import shlex
@@ -169,6 +170,21 @@ def test_readme_quickstart_numbers_are_the_committed_run():
         for when in ("before", "after"):
             assert {"strict", "partial", "n"} <= set(scores[split][when]["overall"])
     assert {"seed", "steps", "threads", "train_cpu_s"} <= set(scores["run"])
+
+
+def test_readme_tier2_numbers_are_the_committed_summary():
+    """The README's and docs/benchmarks.md's tier-2 Flow-GRPO numbers are those of
+    benchmarks/results/shapes_tier2/summary.json (rebuilt by `python benchmarks/shapes.py --tier 2 --methods
+    flow_grpo`), and that summary passes the issue's acceptance."""
+    with open(os.path.join(ROOT, "benchmarks", "results", "shapes_tier2", "summary.json"), encoding="utf-8") as f:
+        summary = json.load(f)
+    fg = summary["methods"]["flow_grpo"]
+    quoted = f"{summary['base']:.3f} to {fg['final_mean']:.3f} +- {fg['final_std']:.3f}"
+    for page in ("README.md", os.path.join("docs", "benchmarks.md")):
+        text = " ".join(open(os.path.join(ROOT, page), encoding="utf-8").read().split())
+        assert quoted in text, f"{page}: expected the committed tier-2 numbers '{quoted}'"
+    assert len(fg["seeds"]) >= 3 and all(v for k, v in summary["acceptance"].items() if k.endswith("_ok"))
+    assert summary["acceptance"]["gain_at_least_3_std"] and summary["acceptance"]["training_reward_rises"]
 
 
 def test_readme_sentence_changes_with_the_file():
