@@ -114,14 +114,17 @@ METHODS = {
     "flow_grpo_2epochs": ("FlowGRPOConfig", "FlowGRPOTrainer", {"num_inner_epochs": 2}),
     "flow_dppo_symmetric": ("FlowDPPOConfig", "FlowDPPOTrainer", {"num_inner_epochs": 2, "kl_mask_mode": "symmetric"}),
     "op_grpo_kl_mask": ("OPGRPOConfig", "OPGRPOTrainer", {"trust_region": "kl_mask"}),
-    # Stepwise-Flow-GRPO: its own defaults (ddim, eta = noise_level, shared noise per group, T' = 5, joint)
+    # Stepwise-Flow-GRPO: its own defaults (flow_sde since issue 16's measurement, shared noise per group, T' = 5,
+    # joint normalisation)
     "stepwise": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {}),
     "stepwise_per_step": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {"gain_normalization": "per_step"}),
     "stepwise_t1": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {"num_substeps": 1}),
-    # which kernel / noise / clip make Stepwise learn (issue 16): ddim's early stds are tiny, so its clip binds sooner
-    "stepwise_eta1": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {"noise_level": 1.0}),
-    "stepwise_flow_sde": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {"sampler": "flow_sde"}),
-    "stepwise_clip5e-3": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {"clip_range": 5e-3}),
+    # the paper's ddim kernel (the default until issue 16's measurement): its early stds are tiny, so its clip binds
+    # sooner; with eta 1 and with a 5x wider clip
+    "stepwise_ddim": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {"sampler": "ddim"}),
+    "stepwise_ddim_eta1": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {"sampler": "ddim", "noise_level": 1.0}),
+    "stepwise_ddim_clip5e-3": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer",
+                               {"sampler": "ddim", "clip_range": 5e-3}),
     "op_grpo_unclipped_term": ("OPGRPOConfig", "OPGRPOTrainer", {"importance_weight_placement": "unclipped_term"}),
 }
 DEFAULT_METHODS = ["flow_grpo", "op_grpo"]

@@ -44,7 +44,7 @@ def test_config_defaults_and_bad_values(tmp_path):
     import trl
 
     cfg = StepwiseFlowGRPOConfig(output_dir=str(tmp_path))
-    assert (cfg.sampler, cfg.same_noise_per_group, cfg.num_substeps, cfg.gain_normalization) == ("ddim", True, 5, "joint")
+    assert (cfg.sampler, cfg.same_noise_per_group, cfg.num_substeps, cfg.gain_normalization) == ("flow_sde", True, 5, "joint")
     for field in dataclasses.fields(StepwiseFlowGRPOConfig):
         assert len(field.metadata.get("help", "")) > 10, field.name
     for bad, name in (({"num_substeps": 0}, "num_substeps"), ({"num_substeps": 2.5}, "num_substeps"),
@@ -151,7 +151,7 @@ def test_gains_telescope_and_joint_normalisation(tmp_path, fresh_pipe):
 
 
 def test_ddim_first_step_is_deterministic_and_untrained(tmp_path, fresh_pipe):
-    trainer = make(tmp_path, fresh_pipe, max_steps=2, beta=0.04, guidance_scale=4.5)
+    trainer = make(tmp_path, fresh_pipe, sampler="ddim", max_steps=2, beta=0.04, guidance_scale=4.5)
     trained_ks = set()
     forward_step = trainer.forward_step
 
@@ -195,8 +195,9 @@ def test_none_for_an_intermediate_estimate_is_left_out(tmp_path, fresh_pipe):
             vals[5] = float("nan")
         return vals
 
-    trainer = make(tmp_path, fresh_pipe, rewards=[flaky], max_steps=2, per_device_eval_batch_size=8, beta=0.04,
-                   learning_rate=3e-3)
+    # ddim: its first step has no density, so the states an iteration scores are 1, 2, 3 (the call count above)
+    trainer = make(tmp_path, fresh_pipe, rewards=[flaky], sampler="ddim", max_steps=2, per_device_eval_batch_size=8,
+                   beta=0.04, learning_rate=3e-3)
     before = [p.detach().clone() for p in trainer.trainable_params]
     trainer.train()
     ro = trainer.last_rollout
@@ -237,9 +238,10 @@ def test_brightness_reward_moves_the_policy(tmp_path, fresh_pipe, sign):
     def signed_brightness(images, prompts, **kwargs):
         return sign * images.mean(dim=(1, 2, 3))
 
-    # flow_sde: on this tiny model the global brightness is set in the first, noisiest step, which `ddim` keeps
-    # deterministic (untrained); Flow-GRPO with `ddim` does not move it either (measured: |change| < 2e-4).
-    trainer = make(tmp_path, fresh_pipe, rewards=[signed_brightness], sampler="flow_sde", max_steps=15,
+    # the default kernel (flow_sde); on this tiny model the global brightness is set in the first, noisiest step,
+    # which the paper's `ddim` keeps deterministic (untrained): with ddim it does not move (measured |change| < 2e-4)
+    assert StepwiseFlowGRPOConfig.__dataclass_fields__["sampler"].default == "flow_sde"
+    trainer = make(tmp_path, fresh_pipe, rewards=[signed_brightness], max_steps=15,
                    learning_rate=5e-3, clip_range=0.1, beta=0.0, lora_alpha=32, num_substeps=2)
     before = trainer.generate(PROMPTS, seed=123)[0].mean().item()
     trainer.train()
@@ -272,6 +274,6 @@ def test_docstring_example_runs(tmp_path, monkeypatch):
     scope = {}
     exec(compile(code, "StepwiseFlowGRPOTrainer.__doc__", "exec"), scope)
     trainer = scope["trainer"]
-    assert trainer.config.sampler == "ddim" and trainer.state.global_step == 2
+    assert trainer.config.sampler == "flow_sde" and trainer.state.global_step == 2
     assert (tmp_path / "out" / "final" / "pytorch_lora_weights.safetensors").exists()
     assert all(e["ratio_first_max_dev"] == 0.0 for e in trainer.state.log_history)

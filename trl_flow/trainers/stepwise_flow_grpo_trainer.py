@@ -76,8 +76,8 @@ class StepwiseFlowGRPOTrainer(FlowGRPOTrainer):
     trainer.save_model("out/final")  # pipe.load_lora_weights("out/final")
     ```
 
-    Per iteration, on top of Flow-GRPO's rollout (``ddim`` kernel and shared initial noise per group by
-    default), with N samples, K steps and latents of shape L:
+    Per iteration, on top of Flow-GRPO's rollout (``flow_sde`` kernel and shared initial noise per group by
+    default; the paper's ``ddim`` kernel with ``sampler="ddim"``), with N samples, K steps and latents of shape L:
 
     1. Intermediate rewards ``r_k`` (N, K + 1): at every state ``x_k`` a trained step needs, the clean-image
        estimate by ``num_substeps`` (T') deterministic Euler steps of the rollout's policy from ``s_k`` to 0
