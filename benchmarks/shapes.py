@@ -485,7 +485,7 @@ def main(argv=None):
         if key in ("reward", "config"):
             TIERS[args.tier] = {**TIERS[args.tier], key: val}
         elif key not in BASE:
-            raise SystemExit(f"--set {kv}: {key!r} is not a BASE key ({', '.join(BASE)}) or 'reward'")
+            raise SystemExit(f"--set {kv}: {key!r} is not a BASE key ({', '.join(BASE)}), 'reward' or 'config'")
         else:
             PILOT[key] = type(BASE[key])(json.loads(val)) if not isinstance(BASE[key], str) else val
     tier = TIERS[args.tier]

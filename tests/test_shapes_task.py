@@ -287,8 +287,9 @@ def test_relation_reward_weights_the_relation_half_and_keeps_the_shape_terms():
     plain = [p for p, c in grammar.all_prompts() if c == "colors"][:6]
     im2 = render_batch(plain, rng=rng)
     assert shapes.shapes_relation_reward(im2, plain) == shapes.shapes_dense_reward(im2, plain)
-    with pytest.raises(ValueError, match="relation_weight"):
-        reward.dense_score(images[0], pos[0], relation_weight=1.5)
+    for prompt in (pos[0], plain[0]):  # refused with or without a relation in the prompt
+        with pytest.raises(ValueError, match="relation_weight"):
+            reward.dense_score(images[0], prompt, relation_weight=1.5)
 
 
 # ------------------------------------------------------------------------ caption noise, noisy-caption base

@@ -396,6 +396,8 @@ def dense_score(image, prompt, relation_weight: float | None = None) -> float:
     position. ``relation_weight``: None averages every constraint (the relation is one of ten in a position
     prompt); a number w in [0, 1] scores ``w * relation + (1 - w) * mean(the others)`` for prompts with a
     relation (the others are unchanged)."""
+    if relation_weight is not None and not 0.0 <= relation_weight <= 1.0:
+        raise ValueError(f"relation_weight must be in [0, 1], got {relation_weight}")
     spec = _as_spec(prompt)
     objs = soft_objects(image)
 
@@ -436,8 +438,6 @@ def dense_score(image, prompt, relation_weight: float | None = None) -> float:
                 toward = {"left": -dx, "right": dx, "above": -dy, "below": dy}[spec.relation]
                 rel = min(pa, pb) * _sigmoid((toward - 0.5) / DENSE_RELATION_TEMPERATURE)
         if relation_weight is not None:
-            if not 0.0 <= relation_weight <= 1.0:
-                raise ValueError(f"relation_weight must be in [0, 1], got {relation_weight}")
             return float(relation_weight * rel + (1.0 - relation_weight) * np.mean(vals))
         vals.append(rel)
     return float(np.mean(vals))
