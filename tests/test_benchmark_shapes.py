@@ -11,11 +11,17 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_quick_harness_writes_every_output(tmp_path):
+def _load():
+    """A fresh copy of benchmarks/shapes.py (its BASE / PILOT dicts are module state that --quick changes)."""
     spec = importlib.util.spec_from_file_location("bench_shapes", os.path.join(ROOT, "benchmarks", "shapes.py"))
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_quick_harness_writes_every_output(tmp_path):
+    mod = _load()
     summary = mod.main(["--quick", "--tier", "0", "--out", str(tmp_path)])
     for name in ("results.json", "summary.json", "table.md", "score_vs_step.png", "score_vs_cpu.png", "score_vs_kl.png"):
         assert os.path.getsize(tmp_path / name) > 100, name
@@ -46,14 +52,6 @@ def test_quick_harness_writes_every_output(tmp_path):
     assert set(saved["acceptance"]) >= {"gain", "gain_ok", "gain_at_least_0.08", "gain_at_least_3_std", "cleanliness_ok"}
     table = (tmp_path / "table.md").read_text()
     assert "| flow_grpo |" in table and "| op_grpo |" in table
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_shapes_cfg", os.path.join(ROOT, "benchmarks", "shapes.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_run_config_layers_base_tier_pilot_method_and_learning_rate(tmp_path):
