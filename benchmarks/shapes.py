@@ -272,7 +272,24 @@ def _order(label: str):
     return (list(METHODS).index(method) if method in METHODS else len(METHODS), lr or 0.0)
 
 
-def summarise(runs: list[dict], tier_id: int) -> dict:
+def reference_label(labels, tier_id: int, reference: str | None = None) -> str | None:
+    """The Flow-GRPO run that targets and ratios are relative to: ``reference`` if given, else ``flow_grpo``, else
+    the one ``flow_grpo@lr`` of a sweep folder, else the one at the tier's swept rate; None if none of these."""
+    labels = set(labels)
+    if reference is not None:
+        if reference not in labels:
+            raise SystemExit(f"--reference {reference}: no such runs here ({', '.join(sorted(labels))})")
+        return reference
+    if "flow_grpo" in labels:
+        return "flow_grpo"
+    swept = [lb for lb in labels if parse_label(lb)[0] == "flow_grpo" and parse_label(lb)[1] is not None]
+    if len(swept) == 1:
+        return swept[0]
+    lr = SWEPT_LR.get(tier_id, {}).get("flow_grpo")
+    return next((lb for lb in swept if lr is not None and parse_label(lb)[1] == lr), None)
+
+
+def summarise(runs: list[dict], tier_id: int, reference: str | None = None) -> dict:
     tier = TIERS[tier_id]
     primary, score = tier["primary"], tier["score"]
     splits = list(tier["evals"])
@@ -291,7 +308,7 @@ def summarise(runs: list[dict], tier_id: int) -> dict:
         by.setdefault(r["method"], []).append(r)
     base = statistics.mean(r["evals"][0][primary]["overall"][score] for r in runs)
     base_clean = statistics.mean(r["evals"][0][primary]["overall"]["cleanliness"] for r in runs)
-    ref = "flow_grpo" if "flow_grpo" in by else None
+    ref = reference_label(by, tier_id, reference)
     target = None
     if ref:
         gain = statistics.mean(final(r) for r in by[ref]) - base
@@ -300,7 +317,7 @@ def summarise(runs: list[dict], tier_id: int) -> dict:
                "split": primary, "base_model": runs[0].get("base_model", tier["base"]), "task": _task(tier),
                "base": base, "base_by_split": {sp: {k: statistics.mean(r["evals"][0][sp]["overall"][k] for r in runs)
                                                     for k in ("strict", "partial")} for sp in splits},
-               "target": target, "target_fraction": TARGET_FRACTION, "methods": {}}
+               "target": target, "target_fraction": TARGET_FRACTION, "reference": ref, "methods": {}}
     if "test" in splits:
         summary["base_test"] = summary["base_by_split"]["test"][score]
     for m in sorted(by, key=_order):
@@ -380,13 +397,14 @@ def table(summary: dict) -> str:
                          for sp, v in summary["base_by_split"].items())
     lines = [f"Tier {summary['tier']}, base model `{summary['base_model']}`, training reward "
              f"`shapes_{summary['task']['reward']}`. Score: `{score}` on the `{primary}` split (ODE, noise never "
-             f"used in training). Base: {base_txt}. Target = base + {TARGET_FRACTION:g} x Flow-GRPO's mean gain = "
+             f"used in training). Base: {base_txt}. Target = base + {TARGET_FRACTION:g} x the mean gain of "
+             f"`{summary.get('reference') or 'flow_grpo'}` (the reference of the ratios) = "
              + (f"{t:.3f}." if t is not None else "n/a."), "",
              f"| method | lr | seeds | final {score} ({primary}) | final {other} ({primary}) | "
              + "".join(f"final {score} ({sp}) | " for sp in others)
-             + "cleanliness | KL to base | steps-to-target | CPU-to-target | clip frac | off-policy clip frac | "
-             "mask frac | reward first 10 -> last 10 | CPU s/iter |",
-             "|" + "---|" * (14 + len(others))]
+             + "cleanliness | KL to base | steps-to-target | CPU-to-target | KL at target | clip frac | "
+             "off-policy clip frac | mask frac | reward first 10 -> last 10 | CPU s/iter |",
+             "|" + "---|" * (15 + len(others))]
     for m, s in summary["methods"].items():
         n = len(s["seeds"])
         fb = s["final_by_split"]
@@ -396,7 +414,8 @@ def table(summary: dict) -> str:
             f"{f(fb[primary][other])} | " + "".join(f"{f(fb[sp][score])} | " for sp in others)
             + f"{f(s['cleanliness_final'], 4)} | {s['kl_final']:.4f} | "
             f"{rel(s.get('steps_to_target'), s.get('n_reached', 0), n)} | "
-            f"{rel(s.get('cpu_to_target'), s.get('n_reached', 0), n)} | {f(s['clip_frac'])} | "
+            f"{rel(s.get('cpu_to_target'), s.get('n_reached', 0), n)} | "
+            f"{'n/a' if s.get('kl_at_target') is None else format(s['kl_at_target'], '.3f')} | {f(s['clip_frac'])} | "
             f"{f(s['clip_frac_off_policy'])} | {f(s['mask_frac'])} | "
             f"{s['reward_first10'][0]:.3f} -> {s['reward_last10'][0]:.3f} | {f(s['cpu_s_per_iter'], 2)} |")
     if "acceptance" in summary:
@@ -436,7 +455,7 @@ def plot(runs: list[dict], summary: dict, out: str) -> None:
 
 
 def write_outputs(runs, args: dict, out: str, tier_id: int) -> dict:
-    summary = summarise(runs, tier_id)
+    summary = summarise(runs, tier_id, args.get("reference"))
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump({"args": args, "base": {**BASE, **PILOT}, "tier": tier_id, "task": summary["task"], "summary": summary,
                    "runs": runs}, f)
@@ -478,6 +497,9 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="default: benchmarks/results/shapes_tier<N> (tier 0: .../shapes)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 1 seed, flow_grpo + op_grpo, 3 iterations")
     ap.add_argument("--summarise-only", action="store_true", help="rebuild the outputs from --out/runs/*.json")
+    ap.add_argument("--reference", default=None,
+                    help="the run label targets and ratios are relative to (default: flow_grpo, else a folder's one "
+                         "flow_grpo@lr, else the one at the tier's swept rate)")
     ap.add_argument("--run-one", nargs=2, metavar=("METHOD", "SEED"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     for kv in args.set:

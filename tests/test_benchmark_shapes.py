@@ -70,3 +70,39 @@ def test_run_config_layers_base_tier_pilot_method_and_learning_rate(tmp_path):
     cfg_p, _ = mod.run_config("flow_dppo", 0, 2, 5, str(tmp_path))
     assert cfg_p.num_generations == 4 and cfg_p.num_inner_epochs == 2
     mod.PILOT.clear()
+
+
+def _fake_run(label, seed, scores, kls, cpu_per_iter=10.0):
+    """A run record of the harness's schema: an evaluation every 10 iterations with the given primary scores."""
+    def ev(i, sc, kl):
+        o = {"strict": sc, "partial": sc, "cleanliness": 0.998, "n": 128}
+        return {"step": 10 * i, "cpu_s": 10 * i * cpu_per_iter, "kl": kl,
+                "trained": {"overall": o}, "val": {"overall": dict(o, strict=0.3)}}
+    iters = [{"reward": 0.4 + 0.002 * k, "clip_frac": 0.05} for k in range(10 * (len(scores) - 1))]
+    return {"method": label, "seed": seed, "tier": 2, "base_model": "noisy", "learning_rate": 1e-3,
+            "evals": [ev(i, s, k) for i, (s, k) in enumerate(zip(scores, kls))], "iterations": iters,
+            "cpu_s": cpu_per_iter * len(iters), "eval_cpu_s": 5.0}
+
+
+def test_summary_of_a_sweep_folder_is_relative_to_its_one_flow_grpo_run():
+    mod = _load()
+    runs = [_fake_run("flow_grpo@0.001", s, [0.2, 0.3, 0.4, 0.5], [0, 0.1, 0.2, 0.3]) for s in (0, 1)]
+    runs += [_fake_run("op_grpo@0.001", s, [0.2, 0.45, 0.5, 0.5], [0, 0.05, 0.1, 0.2], 12.0) for s in (0, 1)]
+    s = mod.summarise(runs, 2)
+    # target = base + 0.8 x Flow-GRPO's gain (0.3) = 0.44: Flow-GRPO reaches it at iteration 30, OP-GRPO at 10
+    assert s["reference"] == "flow_grpo@0.001" and abs(s["target"] - 0.44) < 1e-12
+    op, fg = s["methods"]["op_grpo@0.001"], s["methods"]["flow_grpo@0.001"]
+    assert op["steps_to_target_per_seed"] == [10, 10] and fg["steps_to_target_per_seed"] == [30, 30]
+    assert abs(op["steps_to_target"] - 1 / 3) < 1e-12 and abs(op["cpu_to_target"] - 120 / 300) < 1e-12
+    assert op["kl_at_target"] == 0.05 and fg["kl_at_target"] == 0.3
+    assert "KL at target" in mod.table(s) and "`flow_grpo@0.001`" in mod.table(s)
+    # two Flow-GRPO rates and no swept one for the tier: no reference unless named; a wrong name is refused
+    runs += [_fake_run("flow_grpo@0.002", 0, [0.2, 0.3, 0.3, 0.3], [0, 0.2, 0.3, 0.4])]
+    assert mod.reference_label({r["method"] for r in runs}, 1) is None
+    assert mod.reference_label({r["method"] for r in runs}, 2) == f"flow_grpo@{mod.SWEPT_LR[2]['flow_grpo']:g}"
+    assert mod.summarise(runs, 2, "flow_grpo@0.001")["methods"]["op_grpo@0.001"]["steps_to_target"] == 1 / 3
+    try:
+        mod.summarise(runs, 2, "flow_grpo@0.005")
+        raise AssertionError("an unknown reference was accepted")
+    except SystemExit as e:
+        assert "flow_grpo@0.005" in str(e)
