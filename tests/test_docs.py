@@ -185,6 +185,14 @@ def test_readme_tier2_numbers_are_the_committed_summary():
         assert quoted in text, f"{page}: expected the committed tier-2 numbers '{quoted}'"
     assert len(fg["seeds"]) >= 3 and all(v for k, v in summary["acceptance"].items() if k.endswith("_ok"))
     assert summary["acceptance"]["gain_at_least_3_std"] and summary["acceptance"]["training_reward_rises"]
+    # the other methods' 3-seed numbers quoted beside it are those of the lr-1e-3 runs of the sweep folder
+    with open(os.path.join(ROOT, "benchmarks", "results", "shapes_tier2_lr", "summary.json"), encoding="utf-8") as f:
+        sweep = json.load(f)["methods"]
+    readme = " ".join(open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().split())
+    for label, name in (("flow_dppo@0.001", "Flow-DPPO"), ("op_grpo@0.001", "OP-GRPO")):
+        s = sweep[label]
+        assert len(s["seeds"]) == 3 and f"{name} " in readme, label
+        assert f"{s['final_mean']:.3f} +- {s['final_std']:.3f}" in readme, f"README.md: {label}'s committed numbers"
 
 
 def test_readme_sentence_changes_with_the_file():
