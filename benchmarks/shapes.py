@@ -81,7 +81,7 @@ TIERS = {
 TIER_CONFIGS = {"ROLLOUT_16": dict(num_generations=16, gradient_accumulation_steps=1)}
 PILOT: dict = {}  # --set KEY=VALUE: over BASE and the tier's config, under a method's own overrides
 # Learning rate per (tier, method) chosen by the committed sweep (docs/benchmarks.md); others use BASE's.
-SWEPT_LR: dict[int, dict[str, float]] = {2: {"flow_grpo": 1e-3}}
+SWEPT_LR: dict[int, dict[str, float]] = {2: {"flow_grpo": 1e-3, "op_grpo": 1e-3, "flow_dppo": 1e-3}}
 # Acceptance of tier 2 (issue 18): Flow-GRPO's final score on the trained prompts beats the base by these.
 ACCEPT_GAIN, ACCEPT_STDS, ACCEPT_CPU_MIN = 0.15, 3.0, 15.0
 
