@@ -16,7 +16,7 @@ class OPGRPOConfig(FlowGRPOConfig):
     importance correction and late-step truncation. The paper's buffer constants and truncation step are not
     public: the defaults below are documented choices."""
 
-    off_policy_fraction: float = field(default=0.25, metadata={"help": "Fraction of each iteration's prompts (groups) drawn from the replay buffer; such a group has G-1 fresh trajectories and the buffered one (the paper found ~25% best, more diverged). 0 turns replay off (plain Flow-GRPO)."})
+    off_policy_fraction: float = field(default=0.25, metadata={"help": "Fraction of each iteration's prompts (groups) drawn from the replay buffer; such a group has G-1 fresh trajectories and the buffered one (the paper found ~25% best, more diverged), so the share of replayed *samples* is this / num_generations (logged `off_policy_share`; 0.016 at 0.25 with 8 prompts x 16). 0 turns replay off (plain Flow-GRPO)."})
     buffer_capacity: int = field(default=512, metadata={"help": "Replay buffer capacity (entries; one per prompt). Lowest priority is evicted."})
     buffer_decay: float = field(default=0.05, metadata={"help": "Priority lost per iteration of age, in units of the running reward std (priority = reward - decay * age * std)."})
     buffer_sampling: str = field(default="uniform", metadata={"help": "How replayed entries are drawn: `uniform` or `priority` (highest first)."})
