@@ -193,6 +193,13 @@ def test_readme_tier2_numbers_are_the_committed_summary():
         s = sweep[label]
         assert len(s["seeds"]) == 3 and f"{name} " in readme, label
         assert f"{s['final_mean']:.3f} +- {s['final_std']:.3f}" in readme, f"README.md: {label}'s committed numbers"
+    # and the tier-3 (held-out) Flow-GRPO numbers are those of its committed 3-seed summary
+    with open(os.path.join(ROOT, "benchmarks", "results", "shapes_tier3", "summary.json"), encoding="utf-8") as f:
+        tier3 = json.load(f)
+    s = tier3["methods"]["flow_grpo@0.001"]
+    assert len(s["seeds"]) == 3 and tier3["tier"] == 3
+    quoted = f"{tier3['base']:.3f} -> {s['final_mean']:.3f} +- {s['final_std']:.3f}"
+    assert quoted in readme, f"README.md: tier 3's committed numbers ({quoted})"
 
 
 def test_readme_sentence_changes_with_the_file():
