@@ -102,6 +102,8 @@ METHODS = {
     "op_grpo_no_truncation": ("OPGRPOConfig", "OPGRPOTrainer", {"truncation_step": 10}),
     "op_grpo_share_12": ("OPGRPOConfig", "OPGRPOTrainer", {"off_policy_fraction": 0.125}),
     "op_grpo_share_50": ("OPGRPOConfig", "OPGRPOTrainer", {"off_policy_fraction": 0.5}),
+    # every group replays one buffered trajectory: the largest replayed-sample share the design allows (1 / G)
+    "op_grpo_share_100": ("OPGRPOConfig", "OPGRPOTrainer", {"off_policy_fraction": 1.0}),
     # parity ablations of Flow-GRPO (the other two parity defaults held fixed)
     "flow_grpo_exact_kl": ("FlowGRPOConfig", "FlowGRPOTrainer", {"beta": 0.04, "kl_form": "exact"}),
     "flow_grpo_reference_kl": ("FlowGRPOConfig", "FlowGRPOTrainer", {"beta": 0.04, "kl_form": "reference"}),
