@@ -43,6 +43,7 @@ import argparse
 import json
 import math
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -217,6 +218,27 @@ def run_config(label: str, seed: int, tier_id: int, steps: int, out: str):
     return cfg_cls(**kwargs), tr_cls
 
 
+def machine_info(reps: int = 300) -> dict:
+    """What a CPU-second of this machine buys: its CPU model and the process time of a fixed one-thread workload
+    (``reps`` tanh(A A^T) products of 256 x 256 float32). Runs of one summary made on machines whose
+    ``calibration_s`` differ have CPU columns that cannot be compared; ``summarise`` says so."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    a = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
+    t0 = time.process_time()
+    for _ in range(reps):
+        a = torch.tanh(a @ a.T / 16)
+    calibration = time.process_time() - t0
+    torch.set_num_threads(threads)
+    return {"cpu": cpu, "calibration_s": calibration}
+
+
 def run_one(label: str, seed: int, tier_id: int, steps: int, eval_every: int, eval_scale: float, out: str,
             base_name: str | None = None) -> dict:
     from trl_flow.rewards import get_reward
@@ -246,7 +268,7 @@ def run_one(label: str, seed: int, tier_id: int, steps: int, eval_every: int, ev
                   flush=True)
     return {"method": label, "seed": seed, "tier": tier_id, "base_model": base_name, "learning_rate": lr,
             "task": _task(tier), "config": {k: str(v) for k, v in config.to_dict().items()}, "iterations": iters,
-            "evals": evals, "cpu_s": cpu, "eval_cpu_s": sum(e["eval_cpu_s"] for e in evals)}
+            "evals": evals, "cpu_s": cpu, "eval_cpu_s": sum(e["eval_cpu_s"] for e in evals), "machine": machine_info()}
 
 
 def _task(tier: dict) -> dict:
@@ -363,6 +385,10 @@ def summarise(runs: list[dict], tier_id: int, reference: str | None = None) -> d
             st, ct = _ms(s["steps_to_target_per_seed"])[0], _ms(s["cpu_to_target_per_seed"])[0]
             s["steps_to_target"] = st / ref_steps if st and ref_steps else None
             s["cpu_to_target"] = ct / ref_cpu if ct and ref_cpu else None
+    summary["machines"] = [{"run": f"{r['method']} seed {r['seed']}", **r.get("machine", {})} for r in runs]
+    cal = [m.get("calibration_s") for m in summary["machines"]]
+    known = [c for c in cal if c is not None]
+    summary["cpu_comparable"] = (len(known) == len(cal) and max(known) <= 1.25 * min(known)) if known else None
     if ref:
         fg = summary["methods"][ref]
         gain = fg["final_mean"] - base
@@ -420,6 +446,11 @@ def table(summary: dict) -> str:
             f"{'n/a' if s.get('kl_at_target') is None else format(s['kl_at_target'], '.3f')} | {f(s['clip_frac'])} | "
             f"{f(s['clip_frac_off_policy'])} | {f(s['mask_frac'])} | "
             f"{s['reward_first10'][0]:.3f} -> {s['reward_last10'][0]:.3f} | {f(s['cpu_s_per_iter'], 2)} |")
+    if not summary.get("cpu_comparable", True):
+        cal = [m["calibration_s"] for m in summary["machines"] if m.get("calibration_s") is not None]
+        lines += ["", "CPU columns mix machines: " + (f"calibration {min(cal):.2f}-{max(cal):.2f} s over "
+                  f"{len(cal)} runs, " if cal else "") + f"{len(summary['machines']) - len(cal)} runs without a "
+                  "machine record (`machines` in summary.json). Compare CPU only between runs of one machine."]
     if "acceptance" in summary:
         a = summary["acceptance"]
         lines += ["", f"Acceptance (Flow-GRPO): gain {a['gain']:+.3f} (>= {a['required_gain']:g}: {a['gain_ok']}; "

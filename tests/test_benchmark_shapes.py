@@ -105,3 +105,21 @@ def test_summary_of_a_sweep_folder_is_relative_to_its_one_flow_grpo_run():
     assert mod.summarise(runs, 2, "flow_grpo@0.001")["methods"]["op_grpo@0.001"]["steps_to_target"] == 1 / 3
     with pytest.raises(SystemExit, match="flow_grpo@0.005"):
         mod.summarise(runs, 2, "flow_grpo@0.005")
+
+
+def test_summary_says_when_cpu_columns_mix_machines():
+    mod = _load()
+    m = mod.machine_info(reps=20)
+    assert m["cpu"] and m["calibration_s"] > 0
+    same = [dict(_fake_run("flow_grpo@0.001", s, [0.2, 0.5], [0, 0.3]), machine={"cpu": "x", "calibration_s": c})
+            for s, c in ((0, 1.0), (1, 1.2))]
+    s = mod.summarise(same, 2)
+    assert s["cpu_comparable"] is True and [r["run"] for r in s["machines"]] == ["flow_grpo@0.001 seed 0",
+                                                                                "flow_grpo@0.001 seed 1"]
+    assert "mix machines" not in mod.table(s)
+    slow = dict(_fake_run("op_grpo@0.001", 0, [0.2, 0.5], [0, 0.3]), machine={"cpu": "y", "calibration_s": 2.6})
+    s = mod.summarise(same + [slow], 2)
+    assert s["cpu_comparable"] is False and "calibration 1.00-2.60 s over 3 runs" in mod.table(s)
+    s = mod.summarise(same + [_fake_run("op_grpo@0.001", 1, [0.2, 0.5], [0, 0.3])], 2)  # one run without a record
+    assert s["cpu_comparable"] is False and "1 runs without a machine record" in mod.table(s)
+    assert mod.summarise([_fake_run("flow_grpo@0.001", 0, [0.2, 0.5], [0, 0.3])], 2)["cpu_comparable"] is None
