@@ -33,7 +33,8 @@ Target for steps-to-target: base + ``TARGET_FRACTION`` x Flow-GRPO's mean final 
     python benchmarks/shapes.py --tier 0 --jobs 2 --methods flow_grpo stepwise           # any subset; runs reused
 
 A run is stored as ``runs/<method>[@<lr>]_seed<seed>.json`` in the tier's folder and reused when present (delete
-it after changing the harness). Without ``--lrs`` each method runs at its swept learning rate for the tier
+it after changing the harness); ``runs/`` is not committed, ``results.json`` holds every run and ``--restore-runs``
+writes them back. Without ``--lrs`` each method runs at its swept learning rate for the tier
 (``SWEPT_LR``, chosen from the committed sweep, docs/benchmarks.md) or ``BASE``'s.
 """
 
@@ -530,6 +531,9 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="default: benchmarks/results/shapes_tier<N> (tier 0: .../shapes)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 1 seed, flow_grpo + op_grpo, 3 iterations")
     ap.add_argument("--summarise-only", action="store_true", help="rebuild the outputs from --out/runs/*.json")
+    ap.add_argument("--restore-runs", action="store_true",
+                    help="first write --out/runs/*.json from --out/results.json (runs/ is not committed: a fresh "
+                         "clone has none), keeping runs already there")
     ap.add_argument("--reference", default=None,
                     help="the run label targets and ratios are relative to (default: flow_grpo, else a folder's one "
                          "flow_grpo@lr, else the one at the tier's swept rate)")
@@ -555,6 +559,8 @@ def main(argv=None):
         PILOT.update(prompts_per_step=4, num_generations=4, per_device_train_batch_size=16, num_inference_steps=6,
                     eval_num_inference_steps=10)
     os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
+    if args.restore_runs:
+        restore_runs(args.out)
     if args.run_one:
         torch.set_num_threads(1)
         label, seed = args.run_one[0], int(args.run_one[1])
@@ -586,6 +592,20 @@ def main(argv=None):
                 with open(os.path.join(args.out, "runs", name)) as f:
                     runs.append(json.load(f))
     return write_outputs(runs, {k: v for k, v in vars(args).items() if k != "run_one"}, args.out, args.tier)
+
+
+def restore_runs(out: str) -> list[str]:
+    """Writes each run of ``out/results.json`` that ``out/runs/`` lacks; returns the files written."""
+    with open(os.path.join(out, "results.json")) as f:
+        runs = json.load(f)["runs"]
+    written = []
+    for r in runs:
+        path = _run_file(out, r["method"], r["seed"])
+        if not os.path.exists(path):
+            with open(path, "w") as f:
+                json.dump(r, f)
+            written.append(path)
+    return written
 
 
 def _passthrough(args) -> list[str]:

@@ -123,3 +123,16 @@ def test_summary_says_when_cpu_columns_mix_machines():
     s = mod.summarise(same + [_fake_run("op_grpo@0.001", 1, [0.2, 0.5], [0, 0.3])], 2)  # one run without a record
     assert s["cpu_comparable"] is False and "1 runs without a machine record" in mod.table(s)
     assert mod.summarise([_fake_run("flow_grpo@0.001", 0, [0.2, 0.5], [0, 0.3])], 2)["cpu_comparable"] is None
+
+
+def test_restore_runs_writes_back_what_results_json_holds_and_keeps_what_is_there(tmp_path):
+    mod = _load()
+    runs = [_fake_run("flow_grpo@0.001", s, [0.2, 0.5], [0, 0.3]) for s in (0, 1)]
+    (tmp_path / "results.json").write_text(json.dumps({"runs": runs}))
+    (tmp_path / "runs").mkdir()
+    kept = dict(runs[1], cpu_s=1.0)
+    (tmp_path / "runs" / "flow_grpo@0.001_seed1.json").write_text(json.dumps(kept))
+    written = mod.restore_runs(str(tmp_path))
+    assert [os.path.basename(p) for p in written] == ["flow_grpo@0.001_seed0.json"]
+    assert json.loads((tmp_path / "runs" / "flow_grpo@0.001_seed0.json").read_text()) == runs[0]
+    assert json.loads((tmp_path / "runs" / "flow_grpo@0.001_seed1.json").read_text())["cpu_s"] == 1.0
