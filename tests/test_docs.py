@@ -251,3 +251,17 @@ if __name__ == "__main__":
         update_tables()
     else:
         print(__doc__)
+
+
+def test_benchmarks_page_quotes_the_committed_learning_rate_range():
+    """docs/benchmarks.md's 3-seed lr-2e-3 numbers (the stability claim) are those of the committed sweep summary."""
+    with open(os.path.join(ROOT, "benchmarks", "results", "shapes_tier2_lr", "summary.json"), encoding="utf-8") as f:
+        sweep = json.load(f)["methods"]
+    text = " ".join(open(os.path.join(ROOT, "docs", "benchmarks.md"), encoding="utf-8").read().split())
+    for label in ("flow_grpo@0.002", "flow_dppo@0.002", "flow_dppo@0.001", "flow_grpo@0.001"):
+        s = sweep[label]
+        assert len(s["seeds"]) == 3, label
+        assert f"{s['final_mean']:.3f} +- {s['final_std']:.3f}" in text, f"docs/benchmarks.md: {label}'s final score"
+    for label in ("flow_grpo@0.002", "flow_dppo@0.002"):
+        val = sweep[label]["final_by_split"]["val"]["strict"]
+        assert f"{val[0]:.3f} +- {val[1]:.3f}" in text, f"docs/benchmarks.md: {label}'s val score"
