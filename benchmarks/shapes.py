@@ -565,10 +565,7 @@ def main(argv=None):
         torch.set_num_threads(1)
         label, seed = args.run_one[0], int(args.run_one[1])
         run = run_one(label, seed, args.tier, args.steps, args.eval_every, args.eval_scale, args.out, args.base)
-        tmp = _run_file(args.out, label, seed) + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(run, f)
-        os.replace(tmp, _run_file(args.out, label, seed))
+        _write_run(args.out, run)
         return run
     labels = [m if args.lrs is None else f"{m}@{lr:g}" for m in args.methods for lr in (args.lrs or [None])]
     todo = [(m, s) for s in args.seeds for m in labels]
@@ -600,12 +597,18 @@ def restore_runs(out: str) -> list[str]:
         runs = json.load(f)["runs"]
     written = []
     for r in runs:
-        path = _run_file(out, r["method"], r["seed"])
-        if not os.path.exists(path):
-            with open(path, "w") as f:
-                json.dump(r, f)
-            written.append(path)
+        if not os.path.exists(_run_file(out, r["method"], r["seed"])):
+            written.append(_write_run(out, r))
     return written
+
+
+def _write_run(out: str, run: dict) -> str:
+    """Writes one run's file atomically (a kill leaves the old file or none, never half of one); returns its path."""
+    path = _run_file(out, run["method"], run["seed"])
+    with open(path + ".tmp", "w") as f:
+        json.dump(run, f)
+    os.replace(path + ".tmp", path)
+    return path
 
 
 def _passthrough(args) -> list[str]:
