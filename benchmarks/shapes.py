@@ -280,6 +280,19 @@ def _task(tier: dict) -> dict:
 
 
 # --------------------------------------------------------------------------------------------- summary
+def runs_task(runs: list[dict], tier: dict) -> dict:
+    """The task the runs were made with (prompts, evals, reward; a ``--set reward=...`` run records its own), not
+    the tier's current default. Runs made with different tasks do not share one summary: refused, naming them."""
+    tasks = {json.dumps(r["task"], sort_keys=True): r["task"] for r in runs if r.get("task")}
+    if len(tasks) > 1:
+        names = {k: [f"{r['method']} seed {r['seed']}" for r in runs if json.dumps(r.get("task"), sort_keys=True) == k]
+                 for k in tasks}
+        raise SystemExit("runs of one --out were made with different tasks (prompts, evals or reward); give each "
+                         "task its own --out: " + "; ".join(f"{t['reward']!r} reward: {', '.join(names[k])}"
+                                                          for k, t in tasks.items()))
+    return next(iter(tasks.values())) if tasks else _task(tier)
+
+
 def _ms(xs):
     xs = [x for x in xs if x is not None]
     if not xs:
@@ -339,7 +352,7 @@ def summarise(runs: list[dict], tier_id: int, reference: str | None = None) -> d
         gain = statistics.mean(final(r) for r in by[ref]) - base
         target = base + TARGET_FRACTION * gain if gain > 0 else None
     summary = {"tier": tier_id, "score": f"{score} accuracy on the {primary} split", "score_key": score,
-               "split": primary, "base_model": runs[0].get("base_model", tier["base"]), "task": _task(tier),
+               "split": primary, "base_model": runs[0].get("base_model", tier["base"]), "task": runs_task(runs, tier),
                "base": base, "base_by_split": {sp: {k: statistics.mean(r["evals"][0][sp]["overall"][k] for r in runs)
                                                     for k in ("strict", "partial")} for sp in splits},
                "target": target, "target_fraction": TARGET_FRACTION, "reference": ref, "methods": {}}

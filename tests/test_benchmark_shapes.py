@@ -136,3 +136,16 @@ def test_restore_runs_writes_back_what_results_json_holds_and_keeps_what_is_ther
     assert [os.path.basename(p) for p in written] == ["flow_grpo@0.001_seed0.json"]
     assert json.loads((tmp_path / "runs" / "flow_grpo@0.001_seed0.json").read_text()) == runs[0]
     assert json.loads((tmp_path / "runs" / "flow_grpo@0.001_seed1.json").read_text())["cpu_s"] == 1.0
+
+
+def test_summary_reports_the_task_its_runs_were_made_with_and_refuses_a_mix():
+    mod = _load()
+    dense = dict(mod._task(mod.TIERS[1]), reward="dense")  # a `--set reward=dense` folder, summarised later
+    runs = [dict(_fake_run("stepwise@0.001", s, [0.2, 0.5], [0, 0.3]), task=dense) for s in (0, 1)]
+    s = mod.summarise(runs, 2)
+    assert s["task"]["reward"] == "dense" and "`shapes_dense`" in mod.table(s)
+    assert mod.summarise([_fake_run("flow_grpo@0.001", 0, [0.2, 0.5], [0, 0.3])], 2)["task"] == mod._task(mod.TIERS[2])
+    other = dict(_fake_run("flow_grpo@0.001", 0, [0.2, 0.5], [0, 0.3]), task=mod._task(mod.TIERS[1]))
+    with pytest.raises(SystemExit, match=r"different tasks.*'dense' reward: stepwise@0.001 seed 0, stepwise@0.001 "
+                                         r"seed 1.*'relation' reward: flow_grpo@0.001 seed 0"):
+        mod.summarise(runs + [other], 2)
