@@ -106,6 +106,11 @@ METHODS = {
     "op_grpo_share_50": ("OPGRPOConfig", "OPGRPOTrainer", {"off_policy_fraction": 0.5}),
     # every group replays one buffered trajectory: the largest replayed-sample share the design allows (1 / G)
     "op_grpo_share_100": ("OPGRPOConfig", "OPGRPOTrainer", {"off_policy_fraction": 1.0}),
+    # groups of G = 4 (32 samples an iteration on tier 2): every group replaying its buffered trajectory is then 1 / 4
+    # = 25% of the samples, the paper's best share, which G = 16 cannot reach; Flow-GRPO at G = 4 is its reference
+    "flow_grpo_g4": ("FlowGRPOConfig", "FlowGRPOTrainer", {"num_generations": 4}),
+    "op_grpo_g4": ("OPGRPOConfig", "OPGRPOTrainer", {"num_generations": 4}),
+    "op_grpo_g4_share_100": ("OPGRPOConfig", "OPGRPOTrainer", {"num_generations": 4, "off_policy_fraction": 1.0}),
     # parity ablations of Flow-GRPO (the other two parity defaults held fixed)
     "flow_grpo_exact_kl": ("FlowGRPOConfig", "FlowGRPOTrainer", {"beta": 0.04, "kl_form": "exact"}),
     "flow_grpo_reference_kl": ("FlowGRPOConfig", "FlowGRPOTrainer", {"beta": 0.04, "kl_form": "reference"}),
