@@ -258,10 +258,12 @@ def test_benchmarks_page_quotes_the_committed_learning_rate_range():
     with open(os.path.join(ROOT, "benchmarks", "results", "shapes_tier2_lr", "summary.json"), encoding="utf-8") as f:
         sweep = json.load(f)["methods"]
     text = " ".join(open(os.path.join(ROOT, "docs", "benchmarks.md"), encoding="utf-8").read().split())
-    for label in ("flow_grpo@0.002", "flow_dppo@0.002", "flow_dppo@0.001", "flow_grpo@0.001"):
+    three_seeds = ("flow_grpo@0.002", "flow_dppo@0.002", "flow_dppo@0.001", "flow_grpo@0.001", "op_grpo@0.002",
+                   "stepwise@0.001", "op_grpo_per_step@0.001", "op_grpo_no_correction@0.001")
+    for label in three_seeds:
         s = sweep[label]
         assert len(s["seeds"]) == 3, label
         assert f"{s['final_mean']:.3f} +- {s['final_std']:.3f}" in text, f"docs/benchmarks.md: {label}'s final score"
-    for label in ("flow_grpo@0.002", "flow_dppo@0.002"):
+    for label in ("flow_grpo@0.002", "flow_dppo@0.002", "op_grpo@0.002", "stepwise@0.001"):
         val = sweep[label]["final_by_split"]["val"]["strict"]
         assert f"{val[0]:.3f} +- {val[1]:.3f}" in text, f"docs/benchmarks.md: {label}'s val score"
