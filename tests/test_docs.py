@@ -259,7 +259,9 @@ def test_benchmarks_page_quotes_the_committed_learning_rate_range():
         sweep = json.load(f)["methods"]
     text = " ".join(open(os.path.join(ROOT, "docs", "benchmarks.md"), encoding="utf-8").read().split())
     three_seeds = ("flow_grpo@0.002", "flow_dppo@0.002", "flow_dppo@0.001", "flow_grpo@0.001", "op_grpo@0.002",
-                   "stepwise@0.001", "op_grpo_per_step@0.001", "op_grpo_no_correction@0.001")
+                   "stepwise@0.001", "op_grpo_per_step@0.001", "op_grpo_no_correction@0.001",
+                   "op_grpo_no_truncation@0.001", "op_grpo_share_100@0.001", "stepwise_per_step@0.001",
+                   "stepwise_t1@0.001")
     for label in three_seeds:
         s = sweep[label]
         assert len(s["seeds"]) == 3, label
