@@ -269,3 +269,15 @@ def test_benchmarks_page_quotes_the_committed_learning_rate_range():
     for label in ("flow_grpo@0.002", "flow_dppo@0.002", "op_grpo@0.002", "stepwise@0.001"):
         val = sweep[label]["final_by_split"]["val"]["strict"]
         assert f"{val[0]:.3f} +- {val[1]:.3f}" in text, f"docs/benchmarks.md: {label}'s val score"
+
+
+def test_benchmarks_page_quotes_the_committed_replay_share_runs():
+    """The G = 4 (25% replayed) comparison in docs/benchmarks.md is the committed summary's, at 3 seeds each."""
+    with open(os.path.join(ROOT, "benchmarks", "results", "shapes_tier2_g4", "summary.json"), encoding="utf-8") as f:
+        summary = json.load(f)
+    text = " ".join(open(os.path.join(ROOT, "docs", "benchmarks.md"), encoding="utf-8").read().split())
+    assert f"= {summary['target']:.3f}." in text, "docs/benchmarks.md: the G = 4 target"
+    for label in ("flow_grpo_g4@0.00025", "op_grpo_g4_share_100@0.00025"):
+        s = summary["methods"][label]
+        assert len(s["seeds"]) == 3, label
+        assert f"{s['final_mean']:.3f} +- {s['final_std']:.3f}" in text, f"docs/benchmarks.md: {label}'s final score"
