@@ -163,7 +163,7 @@ def test_readme_quickstart_numbers_are_the_committed_run():
     """README.md quotes exactly the sentence the quickstart makes of benchmarks/results/quickstart/scores.json: the
     numbers are never typed by hand (update: `python examples/quickstart.py --summary <that file>`)."""
     quickstart, scores = _quickstart()
-    readme = " ".join(open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().split())
+    readme = _page_text("README.md")
     sentence = quickstart.readme_summary(scores)
     assert sentence in readme, f"README.md's quickstart numbers differ from {_rel(QUICKSTART_RESULTS)}: expected\n{sentence}"
     for split in ("trained_prompts", "held_out_prompts"):  # the file has the shape quickstart.py writes
@@ -172,30 +172,38 @@ def test_readme_quickstart_numbers_are_the_committed_run():
     assert {"seed", "steps", "threads", "train_cpu_s"} <= set(scores["run"])
 
 
+def _committed_summary(folder: str) -> dict:
+    """benchmarks/results/<folder>/summary.json, as committed."""
+    with open(os.path.join(ROOT, "benchmarks", "results", folder, "summary.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _page_text(page: str) -> str:
+    """A page of the repository with its whitespace collapsed, so quoted numbers may wrap."""
+    return " ".join(open(os.path.join(ROOT, page), encoding="utf-8").read().split())
+
+
 def test_readme_tier2_numbers_are_the_committed_summary():
     """The README's and docs/benchmarks.md's tier-2 Flow-GRPO numbers are those of
     benchmarks/results/shapes_tier2/summary.json (rebuilt by `python benchmarks/shapes.py --tier 2 --methods
     flow_grpo`), and that summary passes the issue's acceptance."""
-    with open(os.path.join(ROOT, "benchmarks", "results", "shapes_tier2", "summary.json"), encoding="utf-8") as f:
-        summary = json.load(f)
+    summary = _committed_summary("shapes_tier2")
     fg = summary["methods"]["flow_grpo"]
     quoted = f"{summary['base']:.3f} to {fg['final_mean']:.3f} +- {fg['final_std']:.3f}"
     for page in ("README.md", os.path.join("docs", "benchmarks.md")):
-        text = " ".join(open(os.path.join(ROOT, page), encoding="utf-8").read().split())
+        text = _page_text(page)
         assert quoted in text, f"{page}: expected the committed tier-2 numbers '{quoted}'"
     assert len(fg["seeds"]) >= 3 and all(v for k, v in summary["acceptance"].items() if k.endswith("_ok"))
     assert summary["acceptance"]["gain_at_least_3_std"] and summary["acceptance"]["training_reward_rises"]
     # the other methods' 3-seed numbers quoted beside it are those of the lr-1e-3 runs of the sweep folder
-    with open(os.path.join(ROOT, "benchmarks", "results", "shapes_tier2_lr", "summary.json"), encoding="utf-8") as f:
-        sweep = json.load(f)["methods"]
-    readme = " ".join(open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().split())
+    sweep = _committed_summary("shapes_tier2_lr")["methods"]
+    readme = _page_text("README.md")
     for label, name in (("flow_dppo@0.001", "Flow-DPPO"), ("op_grpo@0.001", "OP-GRPO")):
         s = sweep[label]
         assert len(s["seeds"]) == 3 and f"{name} " in readme, label
         assert f"{s['final_mean']:.3f} +- {s['final_std']:.3f}" in readme, f"README.md: {label}'s committed numbers"
     # and the tier-3 (held-out) Flow-GRPO numbers are those of its committed 3-seed summary
-    with open(os.path.join(ROOT, "benchmarks", "results", "shapes_tier3", "summary.json"), encoding="utf-8") as f:
-        tier3 = json.load(f)
+    tier3 = _committed_summary("shapes_tier3")
     s = tier3["methods"]["flow_grpo@0.001"]
     assert len(s["seeds"]) == 3 and tier3["tier"] == 3
     quoted = f"{tier3['base']:.3f} -> {s['final_mean']:.3f} +- {s['final_std']:.3f}"
@@ -255,9 +263,8 @@ if __name__ == "__main__":
 
 def test_benchmarks_page_quotes_the_committed_learning_rate_range():
     """docs/benchmarks.md's 3-seed lr-2e-3 numbers (the stability claim) are those of the committed sweep summary."""
-    with open(os.path.join(ROOT, "benchmarks", "results", "shapes_tier2_lr", "summary.json"), encoding="utf-8") as f:
-        sweep = json.load(f)["methods"]
-    text = " ".join(open(os.path.join(ROOT, "docs", "benchmarks.md"), encoding="utf-8").read().split())
+    sweep = _committed_summary("shapes_tier2_lr")["methods"]
+    text = _page_text(os.path.join("docs", "benchmarks.md"))
     three_seeds = ("flow_grpo@0.002", "flow_dppo@0.002", "flow_dppo@0.001", "flow_grpo@0.001", "op_grpo@0.002",
                    "stepwise@0.001", "op_grpo_per_step@0.001", "op_grpo_no_correction@0.001",
                    "op_grpo_no_truncation@0.001", "op_grpo_share_100@0.001", "stepwise_per_step@0.001",
@@ -273,9 +280,8 @@ def test_benchmarks_page_quotes_the_committed_learning_rate_range():
 
 def test_benchmarks_page_quotes_the_committed_replay_share_runs():
     """The G = 4 (25% replayed) comparison in docs/benchmarks.md is the committed summary's, at 3 seeds each."""
-    with open(os.path.join(ROOT, "benchmarks", "results", "shapes_tier2_g4", "summary.json"), encoding="utf-8") as f:
-        summary = json.load(f)
-    text = " ".join(open(os.path.join(ROOT, "docs", "benchmarks.md"), encoding="utf-8").read().split())
+    summary = _committed_summary("shapes_tier2_g4")
+    text = _page_text(os.path.join("docs", "benchmarks.md"))
     assert f"= {summary['target']:.3f}." in text, "docs/benchmarks.md: the G = 4 target"
     for label in ("flow_grpo_g4@0.00025", "op_grpo_g4_share_100@0.00025"):
         s = summary["methods"][label]
