@@ -506,11 +506,31 @@ def plot(runs: list[dict], summary: dict, out: str) -> None:
         plt.close(fig)
 
 
+def canonical_labels(runs: list[dict]) -> list[dict]:
+    """One name per configuration: a run labelled ``method`` (no rate) whose learning rate equals that of runs
+    labelled ``method@lr`` in the same folder is relabelled ``method@lr`` (``--run-one flow_grpo`` takes the swept
+    rate, so it would otherwise be summarised apart from the ``flow_grpo@0.001`` runs it repeats). A folder of bare
+    labels only keeps them. Two runs of one label and seed are refused: which one counts would be silent."""
+    rated = {(parse_label(r["method"])[0], parse_label(r["method"])[1]): r["method"] for r in runs
+             if parse_label(r["method"])[1] is not None}
+    out, seen = [], {}
+    for r in runs:
+        method, lr = parse_label(r["method"])
+        label = rated.get((method, r.get("learning_rate")), r["method"]) if lr is None else r["method"]
+        if (label, r["seed"]) in seen:
+            raise SystemExit(f"runs {seen[label, r['seed']]!r} and {r['method']!r} are both {label} seed {r['seed']}: "
+                             f"delete one of their files from the folder's runs/")
+        seen[label, r["seed"]] = r["method"]
+        out.append(r if label == r["method"] else {**r, "method": label})
+    return out
+
+
 def write_outputs(runs, args: dict, out: str, tier_id: int) -> dict:
+    recorded, runs = runs, canonical_labels(runs)  # results.json keeps each run as recorded (its file's name)
     summary = summarise(runs, tier_id, args.get("reference"))
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump({"args": args, "base": {**BASE, **PILOT}, "tier": tier_id, "task": summary["task"], "summary": summary,
-                   "runs": runs}, f)
+                   "runs": recorded}, f)
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     text = table(summary)

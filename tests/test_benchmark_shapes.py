@@ -149,3 +149,21 @@ def test_summary_reports_the_task_its_runs_were_made_with_and_refuses_a_mix():
     with pytest.raises(SystemExit, match=r"different tasks.*'dense' reward: stepwise@0.001 seed 0, stepwise@0.001 "
                                          r"seed 1.*'relation' reward: flow_grpo@0.001 seed 0"):
         mod.summarise(runs + [other], 2)
+
+
+def test_a_bare_label_at_a_swept_rate_is_summarised_with_its_rated_runs():
+    mod = _load()
+    rated = _fake_run("flow_grpo@0.001", 0, [0.2, 0.3, 0.4, 0.5], [0, 0.1, 0.2, 0.3])
+    bare = _fake_run("flow_grpo", 1, [0.2, 0.3, 0.4, 0.3], [0, 0.1, 0.2, 0.3])  # --run-one flow_grpo: lr 1e-3
+    other = dict(_fake_run("flow_grpo", 2, [0.2, 0.3], [0, 0.1]), learning_rate=5e-4)  # no rated runs at 5e-4
+    runs = mod.canonical_labels([rated, bare, other])
+    assert [r["method"] for r in runs] == ["flow_grpo@0.001", "flow_grpo@0.001", "flow_grpo"]
+    assert bare["method"] == "flow_grpo"  # the record itself (results.json, its file's name) is left as it was
+    s = mod.summarise(runs, 2)
+    assert s["methods"]["flow_grpo@0.001"]["final_per_seed"] == [0.5, 0.3] and set(s["methods"]) == {
+        "flow_grpo@0.001", "flow_grpo"}
+    # a folder of bare labels only (the --methods layout) keeps its names
+    assert [r["method"] for r in mod.canonical_labels([bare])] == ["flow_grpo"]
+    # the same configuration and seed under both names is refused, not silently counted once or twice
+    with pytest.raises(SystemExit, match="flow_grpo@0.001 seed 0"):
+        mod.canonical_labels([rated, dict(bare, seed=0)])
