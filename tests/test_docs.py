@@ -283,7 +283,8 @@ def test_benchmarks_page_quotes_the_committed_replay_share_runs():
     summary = _committed_summary("shapes_tier2_g4")
     text = _page_text(os.path.join("docs", "benchmarks.md"))
     assert f"= {summary['target']:.3f}." in text, "docs/benchmarks.md: the G = 4 target"
-    for label in ("flow_grpo_g4@0.00025", "op_grpo_g4_share_100@0.00025"):
+    for label in ("flow_grpo_g4@0.00025", "op_grpo_g4_share_100@0.00025", "flow_grpo_g4@0.0005",
+                  "op_grpo_g4_share_100@0.0005"):
         s = summary["methods"][label]
         assert len(s["seeds"]) == 3, label
         assert f"{s['final_mean']:.3f} +- {s['final_std']:.3f}" in text, f"docs/benchmarks.md: {label}'s final score"
