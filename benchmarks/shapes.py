@@ -511,8 +511,7 @@ def canonical_labels(runs: list[dict]) -> list[dict]:
     labelled ``method@lr`` in the same folder is relabelled ``method@lr`` (``--run-one flow_grpo`` takes the swept
     rate, so it would otherwise be summarised apart from the ``flow_grpo@0.001`` runs it repeats). A folder of bare
     labels only keeps them. Two runs of one label and seed are refused: which one counts would be silent."""
-    rated = {(parse_label(r["method"])[0], parse_label(r["method"])[1]): r["method"] for r in runs
-             if parse_label(r["method"])[1] is not None}
+    rated = {parse_label(r["method"]): r["method"] for r in runs if "@" in r["method"]}
     out, seen = [], {}
     for r in runs:
         method, lr = parse_label(r["method"])
