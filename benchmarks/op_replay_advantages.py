@@ -34,13 +34,7 @@ def main(argv=None):
     ap.add_argument("--out", default="benchmarks/results/shapes_tier2_g4/replay_advantages.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    from trl_flow.rewards import get_reward
-
-    sh = _shapes()
-    tier = sh.TIERS[args.tier]
-    config, tr_cls = sh.run_config(args.label, args.seed, args.tier, args.steps, "/tmp/op_replay_advantages")
-    trainer = tr_cls(config, sh.load_base(tier["base"]), [get_reward(f"shapes_{tier['reward']}")],
-                     train_dataset=sh.train_prompts(tier))
+    trainer = _shapes().make_trainer(args.label, args.seed, args.tier, args.steps, "/tmp/op_replay_advantages")
     rows = []
     for step in range(args.steps):
         m = trainer.training_iteration(step)

@@ -245,16 +245,23 @@ def machine_info(reps: int = 300) -> dict:
     return {"cpu": cpu, "calibration_s": calibration}
 
 
-def run_one(label: str, seed: int, tier_id: int, steps: int, eval_every: int, eval_scale: float, out: str,
-            base_name: str | None = None) -> dict:
+def make_trainer(label: str, seed: int, tier_id: int, steps: int, out: str, base_name: str | None = None):
+    """The trainer of one run: ``run_config``'s config on the tier's base model, reward and training prompts."""
     from trl_flow.rewards import get_reward
 
     tier = TIERS[tier_id]
-    base_name = base_name or tier["base"]
     config, tr_cls = run_config(label, seed, tier_id, steps, out)
-    lr = config.learning_rate
     reward = get_reward(f"shapes_{tier['reward']}")  # the registry's shapes_partial / _strict / _dense / _relation
-    trainer = tr_cls(config, load_base(base_name), [reward], train_dataset=train_prompts(tier))
+    return tr_cls(config, load_base(base_name or tier["base"]), [reward], train_dataset=train_prompts(tier))
+
+
+def run_one(label: str, seed: int, tier_id: int, steps: int, eval_every: int, eval_scale: float, out: str,
+            base_name: str | None = None) -> dict:
+    tier = TIERS[tier_id]
+    base_name = base_name or tier["base"]
+    trainer = make_trainer(label, seed, tier_id, steps, out, base_name)
+    config = trainer.config
+    lr = config.learning_rate
     sets = eval_sets(tier, eval_scale)
     primary, score = tier["primary"], tier["score"]
     evals = [{"step": 0, "cpu_s": 0.0, **evaluate(trainer, sets, primary)}]
