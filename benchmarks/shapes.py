@@ -111,6 +111,13 @@ METHODS = {
     "flow_grpo_g4": ("FlowGRPOConfig", "FlowGRPOTrainer", {"num_generations": 4}),
     "op_grpo_g4": ("OPGRPOConfig", "OPGRPOTrainer", {"num_generations": 4}),
     "op_grpo_g4_share_100": ("OPGRPOConfig", "OPGRPOTrainer", {"num_generations": 4, "off_policy_fraction": 1.0}),
+    # two ablations of the 25% share testing the replay diagnostic (op_replay_advantages.py): the whole buffered
+    # trajectory reused (truncation off), and the replayed sample kept out of its group's mean and std
+    "op_grpo_g4_share_100_no_truncation": ("OPGRPOConfig", "OPGRPOTrainer",
+                                           {"num_generations": 4, "off_policy_fraction": 1.0, "truncation_step": 10}),
+    "op_grpo_g4_share_100_fresh_baseline": ("OPGRPOConfig", "OPGRPOTrainer",
+                                            {"num_generations": 4, "off_policy_fraction": 1.0,
+                                             "replay_baseline": "fresh"}),
     # parity ablations of Flow-GRPO (the other two parity defaults held fixed)
     "flow_grpo_exact_kl": ("FlowGRPOConfig", "FlowGRPOTrainer", {"beta": 0.04, "kl_form": "exact"}),
     "flow_grpo_reference_kl": ("FlowGRPOConfig", "FlowGRPOTrainer", {"beta": 0.04, "kl_form": "reference"}),

@@ -228,6 +228,27 @@ def test_off_policy_share_groups_and_no_duplicate_prompts(tmp_path):
             assert e.step == 0
 
 
+@pytest.mark.parametrize("replay_baseline", ["group", "fresh"])
+def test_replay_baseline_sets_which_samples_make_the_group_statistics(tmp_path, replay_baseline):
+    P, G = 2, 3
+    tr = make_trainer(tmp_path, prompts_per_step=P, num_generations=G, off_policy_fraction=1.0,
+                      replay_baseline=replay_baseline, scale_rewards="group")
+    tr.make_rollout(0)
+    r = tr.make_rollout(1)
+    tr.compute_advantages(r)
+    rep = replayed(r)
+    assert len(rep) == P
+    for i in rep:
+        members = [m for m in range(len(r)) if int(r.group_ids[m]) == int(r.group_ids[i])]
+        stats = members if replay_baseline == "group" else [m for m in members if m != i]
+        rw = r.rewards[stats].double()
+        for m in members:
+            expected = (float(r.rewards[m]) - float(rw.mean())) / (float(rw.std(unbiased=False)) + 1e-4)
+            assert float(r.advantages[m]) == pytest.approx(max(-5.0, min(5.0, expected)), rel=1e-3, abs=1e-5)
+        if replay_baseline == "fresh":  # the fresh samples' advantages sum to 0 without the replayed one
+            assert abs(float(r.advantages[[m for m in members if m != i]].sum())) < 1e-4
+
+
 def test_replayed_trajectory_is_not_offered_to_the_buffer(tmp_path):
     seen_images = []
 
@@ -429,6 +450,7 @@ def test_resume_restores_buffer_and_matches_uninterrupted_run(tmp_path):
     ({"importance_weight_cap": 0.0}, "importance_weight_cap"),
     ({"importance_weight_cap": -1.0}, "importance_weight_cap"),
     ({"buffer_decay": -0.1}, "buffer_decay"),
+    ({"replay_baseline": "x"}, "replay_baseline"),
 ])
 def test_bad_config_raises_naming_field(tmp_path, kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -439,6 +461,7 @@ def test_config_defaults(tmp_path):
     cfg = OPGRPOConfig(output_dir=str(tmp_path), num_inference_steps=10)
     assert cfg.resolved_truncation_step == 5 and cfg.off_policy_fraction == 0.25
     assert (cfg.off_policy_correction, cfg.importance_weight_placement) == ("sequence", "objective")
+    assert cfg.replay_baseline == "group"
     assert make_config(tmp_path, truncation_step=K).resolved_truncation_step == K
     buf = make_trainer(tmp_path, buffer_capacity=3, buffer_decay=0.2, buffer_sampling="priority").replay_buffer
     assert (buf.capacity, buf.decay, buf.sampling, len(buf)) == (3, 0.2, "priority", 0)

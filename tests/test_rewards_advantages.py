@@ -208,6 +208,29 @@ def test_nan_rewards_get_zero_advantage_and_do_not_enter_statistics():
     _check(adv, [0.0, 0.0, -0.5 / (0.5 + 1e-4), 0.5 / (0.5 + 1e-4)])
 
 
+def test_baseline_mask_takes_statistics_from_the_masked_samples_only():
+    # group 0: baseline samples 1, 3, 5 (mean 3, pop std sqrt(8/3)); sample 9 is scored against them
+    rewards = torch.tensor([1.0, 3.0, 5.0, 9.0, 2.0, 4.0])
+    groups = torch.tensor([0, 0, 0, 0, 1, 1])
+    base = torch.tensor([True, True, True, False, True, True])
+    s0 = math.sqrt(8 / 3)
+    adv = group_advantages(rewards, groups, "group", clip=None, baseline=base)
+    _check(adv, [-2 / (s0 + 1e-4), 0.0, 2 / (s0 + 1e-4), 6 / (s0 + 1e-4), -1 / (1 + 1e-4), 1 / (1 + 1e-4)])
+    # the fresh samples' advantages are those of the group without the masked-out sample
+    alone = group_advantages(rewards[base], groups[base], "group", clip=None)
+    _check(adv[base], alone.tolist())
+    # batch std from the baseline samples too; an all-True mask is the default
+    adv = group_advantages(rewards, groups, "batch", clip=None, baseline=base)
+    sb = _pop_std([1.0, 3.0, 5.0, 2.0, 4.0])
+    _check(adv, [(r - m) / (sb + 1e-4) for r, m in zip(rewards.tolist(), [3, 3, 3, 3, 3, 3])])
+    _check(group_advantages(rewards, groups, "group", baseline=torch.ones(6, dtype=torch.bool)),
+           group_advantages(rewards, groups, "group").tolist())
+    # a group whose only baseline samples have no reward gets 0
+    adv = group_advantages(torch.tensor([NAN, 5.0, 1.0, 2.0]), torch.tensor([0, 0, 1, 1]), "none",
+                           baseline=torch.tensor([True, False, True, True]))
+    _check(adv, [0.0, 0.0, -0.5, 0.5])
+
+
 def test_advantages_are_clipped():
     adv = group_advantages(torch.tensor([0.0, 100.0, 3.0, 4.0]), torch.tensor([0, 0, 1, 1]), "none")
     _check(adv, [-5.0, 5.0, -0.5, 0.5])

@@ -17,6 +17,7 @@ def group_advantages(
     scale_rewards: str = "group",
     eps: float = 1e-4,
     clip: float | None = 5.0,
+    baseline: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``A_i = (r_i - mean_group) / (std + eps)``, clipped to ``+-clip``.
 
@@ -26,6 +27,9 @@ def group_advantages(
         group_ids: (N,) group of each sample.
         scale_rewards: ``"group"`` (std over the group), ``"batch"`` (std over the whole batch) or ``"none"``
             (only centre). Stds are population stds (``unbiased=False``) as in the reference code.
+        baseline: optional (N,) bool, the samples whose rewards make the statistics (group mean and std, batch
+            std); every valid sample still gets an advantage against them. Default: all valid samples. A group
+            with no baseline sample gets advantage 0.
 
     Returns:
         (N,) float32 advantages.
@@ -34,15 +38,17 @@ def group_advantages(
         raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
     r = rewards.float()
     valid = ~torch.isnan(r)
+    base = valid if baseline is None else valid & baseline.to(valid.device).bool()
     adv = torch.zeros_like(r)
-    batch_std = r[valid].std(unbiased=False) if valid.sum() > 1 else torch.tensor(0.0)
+    batch_std = r[base].std(unbiased=False) if base.sum() > 1 else torch.tensor(0.0)
     for g in torch.unique(group_ids):
         m = (group_ids == g) & valid
-        if m.sum() == 0:
+        b = (group_ids == g) & base
+        if b.sum() == 0:
             continue
-        centred = r[m] - r[m].mean()
+        centred = r[m] - r[b].mean()
         if scale_rewards == "group":
-            centred = centred / (r[m].std(unbiased=False) + eps)
+            centred = centred / (r[b].std(unbiased=False) + eps)
         elif scale_rewards == "batch":
             centred = centred / (batch_std + eps)
         adv[m] = centred
