@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import statistics
+import tempfile
 
 import torch
 
@@ -32,9 +33,11 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--out", default="benchmarks/results/shapes_tier2_g4/replay_advantages.json")
+    ap.add_argument("--workdir", default=None, help="the trainer's output_dir (default: a new temporary folder)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    trainer = _shapes().make_trainer(args.label, args.seed, args.tier, args.steps, "/tmp/op_replay_advantages")
+    workdir = args.workdir or tempfile.mkdtemp(prefix="op_replay_advantages_")
+    trainer = _shapes().make_trainer(args.label, args.seed, args.tier, args.steps, workdir)
     rows = []
     for step in range(args.steps):
         m = trainer.training_iteration(step)
@@ -61,8 +64,10 @@ def main(argv=None):
              if any(r.get(k) is not None for r in rows)}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "means": means, "rows": rows}, f, indent=1)
+        json.dump({"args": {k: v for k, v in vars(args).items() if k != "workdir"}, "means": means, "rows": rows},
+                  f, indent=1)
     print(json.dumps(means, indent=1))
+    return {"means": means, "rows": rows}
 
 
 if __name__ == "__main__":

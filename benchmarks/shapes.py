@@ -202,9 +202,13 @@ def evaluate(trainer, sets, primary: str, kl_prompts: int = 64) -> dict:
 
 
 def load_base(name: str):
+    """A committed base (``clean``, ``noisy``, ...: ``shapes.BASE_MODEL_VARIANTS``) or a ``save_pretrained`` folder
+    (e.g. one written by scripts/pretrain_shapes.py)."""
     from trl_flow.tasks import shapes
 
-    return shapes.load_base_pipeline() if name == "clean" else shapes.load_base_pipeline(variant=name)
+    if os.path.isdir(name):
+        return shapes.load_base_pipeline(path=name)
+    return shapes.load_base_pipeline(variant=name)
 
 
 def parse_label(label: str) -> tuple[str, float | None]:
@@ -574,7 +578,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=None, help="iterations (default: the tier's)")
     ap.add_argument("--eval-every", type=int, default=None, help="default: the tier's")
     ap.add_argument("--eval-scale", type=float, default=1.0, help="scales the tier's evaluation image counts")
-    ap.add_argument("--base", default=None, help="base model: clean or noisy (default: the tier's)")
+    ap.add_argument("--base", default=None, help="base model: a committed variant (clean, noisy) or a save_pretrained folder (default: the tier's)")
     ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
                     help="override BASE, or the tier's reward / config (reward=dense, config=none), for a pilot; "
                          "give it its own --out")

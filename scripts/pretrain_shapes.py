@@ -8,11 +8,13 @@
    Caption noise (``--flip-relation-prob``, ``--swap-colors-prob``, ``--count-off-prob``): each image keeps
    the prompt it was rendered for, but its caption gets planted errors (``grammar.noisy_caption``), each with
    its own probability; a noisy caption that would be a held-out test prompt is replaced by the clean one.
-   ``--init-from DIR`` fine-tunes an existing ``save_pretrained`` pipeline (its text encoders and VAE are
-   kept) instead of training a fresh transformer.
+   ``--init-from DIR`` fine-tunes an existing ``save_pretrained`` pipeline (its VAE is kept; its text encoders
+   too unless ``--train-text-encoders``) instead of training a fresh transformer.
 2. Trains the ``SD3Transformer2DModel`` with rectified flow: x_t = (1 - t) x0 + t eps, target eps - x0,
    logit-normal t, 10% empty captions, AdamW (0.9, 0.99), clip 1, warm-up then cosine decay to 0 over the run,
-   EMA. The number of steps is fixed up front: ``--steps``, or measured from ``--minutes`` after a short timing
+   EMA. ``--train-text-encoders`` trains both CLIP text encoders with it (prompts encoded in every step by the
+   pipeline's own ``encode_prompt``, so the embeddings are those sampling uses); by default they stay frozen
+   and random. The number of steps is fixed up front: ``--steps``, or measured from ``--minutes`` after a short timing
    run (the log prints the number, so ``--steps N`` reproduces a run exactly on any machine).
 3. Evaluates EMA and raw weights at scheduler shifts ``--eval-shifts`` on a validation set (train prompts, new
    images), saves the best with ``save_pretrained`` (its shift in the scheduler config), and prints strict /
@@ -22,7 +24,6 @@
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import os
@@ -62,7 +63,7 @@ def parse_args(argv=None):
     p.add_argument("--eval-guidance", type=float, default=model.DEFAULT_GUIDANCE_SCALE)
     p.add_argument("--eval-shifts", default="1,3")
     p.add_argument("--save", choices=["best", "ema", "raw"], default="best")
-    p.add_argument("--state", default=None, help="optional path to save raw + EMA transformer state dicts")
+    p.add_argument("--state", default=None, help="optional path to save the raw and EMA weights of every trained parameter")
     p.add_argument("--log-every", type=int, default=100)
     p.add_argument("--init-from", default=None,
                    help="fine-tune this save_pretrained pipeline (e.g. trl_flow/tasks/shapes/base_model)")
@@ -70,6 +71,10 @@ def parse_args(argv=None):
                    help="caption noise: a position caption names the opposite relation")
     p.add_argument("--swap-colors-prob", type=float, default=0.0,
                    help="caption noise: a pair caption swaps its two colours")
+    p.add_argument("--train-text-encoders", action="store_true",
+                   help="train both CLIP text encoders with the transformer (default: frozen, random)")
+    p.add_argument("--text-encoder-lr", type=float, default=None,
+                   help="peak learning rate of the text encoders with --train-text-encoders (default: --lr)")
     p.add_argument("--count-off-prob", type=float, default=0.0,
                    help="caption noise: a single / counting caption names a count off by one")
     return p.parse_args(argv)
@@ -136,6 +141,12 @@ def main(argv=None):
     transformer = pipe.transformer
     n_params = sum(p.numel() for p in transformer.parameters())
     print(f"transformer parameters: {n_params}", flush=True)
+    # the modules trained, by name (their parameters are trained, EMA-averaged and chosen together)
+    trained = {"transformer": transformer}
+    if args.train_text_encoders:
+        trained.update(text_encoder=pipe.text_encoder, text_encoder_2=pipe.text_encoder_2)
+        print(f"text encoder parameters: {sum(p.numel() for p in pipe.text_encoder.parameters())} + "
+              f"{sum(p.numel() for p in pipe.text_encoder_2.parameters())} (trained)", flush=True)
 
     # ---- data: images -> latents, prompts -> embeddings (frozen encoders, computed once)
     t0 = time.time()
@@ -161,26 +172,38 @@ def main(argv=None):
     del images
 
     # ---- training
-    transformer.train()
-    transformer.requires_grad_(True)
-    params = [p for p in transformer.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    for m in trained.values():
+        m.train()
+        m.requires_grad_(True)
+    names = [f"{k}.{n}" for k, m in trained.items() for n, _ in m.named_parameters()]
+    params = [p for m in trained.values() for p in m.parameters()]
+    captions = prompts + [""]
+    te_lr = args.lr if args.text_encoder_lr is None else args.text_encoder_lr
+    groups = [{"params": list(m.parameters()), "peak_lr": args.lr if k == "transformer" else te_lr}
+              for k, m in trained.items()]
+    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
     ema = [p.detach().clone() for p in params]
     gen = torch.Generator().manual_seed(args.seed + 1)
 
     def train_step(step, total):
         for g in opt.param_groups:
-            g["lr"] = args.lr * lr_at(step, total, args.warmup)
+            g["lr"] = g["peak_lr"] * lr_at(step, total, args.warmup)
         b = torch.randint(0, len(latents), (args.batch_size,), generator=gen)
         x0 = latents[b]
         pidx = prompt_idx[b].clone()
         pidx[torch.rand(args.batch_size, generator=gen) < args.empty_prompt_prob] = empty
+        if args.train_text_encoders:  # (B, 16 + MAX_SEQUENCE_LENGTH, 32), (B, 64), with gradients
+            enc, _, pool, _ = pipe.encode_prompt([captions[i] for i in pidx.tolist()], None, None,
+                                                 do_classifier_free_guidance=False,
+                                                 max_sequence_length=model.MAX_SEQUENCE_LENGTH)
+        else:
+            enc, pool = pe[pidx], pooled[pidx]
         t = torch.sigmoid(torch.randn(args.batch_size, generator=gen))  # logit-normal
         eps = torch.randn(x0.shape, generator=gen)
         tt = t.view(-1, 1, 1, 1)
         xt = (1 - tt) * x0 + tt * eps
         pred = transformer(
-            hidden_states=xt, timestep=t * 1000, encoder_hidden_states=pe[pidx], pooled_projections=pooled[pidx],
+            hidden_states=xt, timestep=t * 1000, encoder_hidden_states=enc, pooled_projections=pool,
             return_dict=False,
         )[0]
         loss = torch.nn.functional.mse_loss(pred, eps - x0)
@@ -224,19 +247,25 @@ def main(argv=None):
           flush=True)
 
     # ---- choose EMA / raw weights and the shift on a validation set (train prompts, fresh images)
-    transformer.eval()
-    transformer.requires_grad_(False)
-    raw_state = copy.deepcopy(transformer.state_dict())
-    names = [n for n, p in transformer.named_parameters()]
-    ema_state = dict(raw_state)
-    ema_state.update({n: e.clone() for n, e in zip(names, ema)})
-    if args.state:
-        torch.save({"raw": raw_state, "ema": ema_state, "steps": total}, args.state)
+    for m in trained.values():
+        m.eval()
+        m.requires_grad_(False)
+    raw_params = [p.detach().clone() for p in params]
+    weights_of = {"raw": raw_params, "ema": ema}
+
+    def use(which):
+        with torch.no_grad():
+            for p, v in zip(params, weights_of[which]):
+                p.copy_(v)
+
+    if args.state:  # {name: tensor} of every trained parameter ("transformer.<name>", "text_encoder.<name>", ...)
+        torch.save({w: dict(zip(names, [v.clone() for v in vals])) for w, vals in weights_of.items()}
+                   | {"steps": total}, args.state)
     candidates = ["ema", "raw"] if args.save == "best" else [args.save]
     shifts = [float(s) for s in args.eval_shifts.split(",")]
     results = {}
     for which in candidates:
-        transformer.load_state_dict(ema_state if which == "ema" else raw_state)
+        use(which)
         for shift in shifts:
             pipe.scheduler = model.build_scheduler(shift)
             r = evaluate_pipeline(pipe, "train", args.eval_per_category, seed=1234,
@@ -245,7 +274,7 @@ def main(argv=None):
             print(f"validation ({which}, shift {shift}, guidance {args.eval_guidance}, {args.eval_steps} steps): "
                   f"strict {r['overall']['strict']:.3f} partial {r['overall']['partial']:.3f}", flush=True)
     which, shift = max(results, key=lambda k: (results[k]["overall"]["strict"], results[k]["overall"]["partial"]))
-    transformer.load_state_dict(ema_state if which == "ema" else raw_state)
+    use(which)
     pipe.scheduler = model.build_scheduler(shift)
     print(f"saving {which} weights with scheduler shift {shift} to {args.out}", flush=True)
     os.makedirs(args.out, exist_ok=True)
@@ -264,6 +293,8 @@ def main(argv=None):
         "command": "python scripts/pretrain_shapes.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "steps": total,
         "init_from": args.init_from,
+        "train_text_encoders": args.train_text_encoders,
+        "text_encoder_lr": te_lr if args.train_text_encoders else None,
         "caption_noise": {"flip_relation_prob": args.flip_relation_prob, "swap_colors_prob": args.swap_colors_prob,
                           "count_off_prob": args.count_off_prob, "counts": noise_stats},
         "train_seconds": round(train_seconds, 1),

@@ -167,3 +167,20 @@ def test_a_bare_label_at_a_swept_rate_is_summarised_with_its_rated_runs():
     # the same configuration and seed under both names is refused, not silently counted once or twice
     with pytest.raises(SystemExit, match="flow_grpo@0.001 seed 0"):
         mod.canonical_labels([rated, dict(bare, seed=0)])
+
+
+def test_op_replay_advantages_diagnostic_measures_the_replayed_samples(tmp_path):
+    spec = importlib.util.spec_from_file_location("op_replay_advantages",
+                                                  os.path.join(ROOT, "benchmarks", "op_replay_advantages.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "ra.json"
+    res = mod.main(["--steps", "2", "--out", str(out), "--workdir", str(tmp_path / "work")])
+    assert json.loads(out.read_text())["rows"] == res["rows"]
+    first, second = res["rows"]
+    assert first["n_replayed"] == 0 and "replayed_adv" not in first  # the buffer is empty at the first iteration
+    assert second["n_replayed"] == 8  # share 100 at G = 4: every one of the 8 groups replays one trajectory
+    assert 0 <= second["replayed_is_group_best"] <= 1 and second["other_groups_reward"] is None
+    # group-normalised advantages sum to 0 in each group: 8 replayed + 24 fresh samples
+    assert 8 * second["replayed_adv"] + 24 * second["fresh_in_replayed_groups_adv"] == pytest.approx(0, abs=1e-4)
+    assert res["means"]["replayed_adv"] == second["replayed_adv"]
