@@ -355,6 +355,36 @@ def test_pretrain_script_captions_with_noise_and_never_names_a_test_prompt():
         model.BASE_MODEL_DIR, 0.4, 0.1, 0.2)
 
 
+def test_pretrain_script_trains_the_text_encoders_when_asked(tmp_path):
+    import importlib.util
+    import json
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "pretrain_shapes.py")
+    spec = importlib.util.spec_from_file_location("pretrain_shapes", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out, state = str(tmp_path / "te"), str(tmp_path / "state.pt")
+    n = torch.get_num_threads()
+    try:
+        mod.main(["--init-from", model.BASE_MODEL_DIR, "--out", out, "--steps", "3", "--warmup", "1", "--num-images",
+                  "64", "--batch-size", "8", "--eval-per-category", "1", "--eval-steps", "2", "--eval-shifts", "3",
+                  "--save", "raw", "--state", state, "--train-text-encoders", "--text-encoder-lr", "1e-2"])
+    finally:
+        torch.set_num_threads(n)
+    info = json.load(open(os.path.join(out, "training_info.json")))
+    assert info["train_text_encoders"] is True and info["text_encoder_lr"] == 1e-2 and info["steps"] == 3
+    base, trained = model.load_base_pipeline(), model.load_base_pipeline(path=out)
+    saved = torch.load(state)
+    for name in ("transformer", "text_encoder", "text_encoder_2"):
+        a, b = getattr(base, name).state_dict(), getattr(trained, name).state_dict()
+        assert any(not torch.equal(a[k], b[k]) for k in a), name  # every trained module moved
+        for k, v in getattr(trained, name).named_parameters():
+            assert torch.equal(saved["raw"][f"{name}.{k}"], v), (name, k)  # --save raw wrote the raw weights
+        assert not getattr(trained, name).training
+    va, vb = base.vae.state_dict(), trained.vae.state_dict()
+    assert all(torch.equal(va[k], vb[k]) for k in va)  # the hand-set VAE is never trained
+
+
 def test_noisy_base_variant_loads_and_differs_only_in_the_transformer(base_pipe):
     import json
 
