@@ -184,3 +184,27 @@ def test_op_replay_advantages_diagnostic_measures_the_replayed_samples(tmp_path)
     # group-normalised advantages sum to 0 in each group: 8 replayed + 24 fresh samples
     assert 8 * second["replayed_adv"] + 24 * second["fresh_in_replayed_groups_adv"] == pytest.approx(0, abs=1e-4)
     assert res["means"]["replayed_adv"] == second["replayed_adv"]
+
+
+def test_text_encoder_probe_pairs_relations_and_measures_their_embeddings():
+    spec = importlib.util.spec_from_file_location("shapes_text_encoders",
+                                                  os.path.join(ROOT, "benchmarks", "shapes_text_encoders.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    pairs = mod.relation_pairs()
+    assert len(pairs) > 50
+    for a, b in pairs:  # the two prompts differ in the relation only
+        assert a != b and any(a.replace(x, y) == b for x, y in mod.OPPOSITE.items())
+    res = mod.main(["--bases", "clean", "noisy"])
+    assert res["bases"]["clean"] == res["bases"]["noisy"]  # the noisy base keeps the clean base's text encoders
+    for key in ("token", "pooled"):
+        m = res["bases"]["clean"][key]
+        assert 0.05 < m["relative_difference"] < 1 and -1 < m["direction_cosine"] < 1
+    # a pipeline whose text encoders ignore the words has no difference at all
+    pipe = mod.load("clean")
+    import torch
+
+    with torch.no_grad():
+        for te in (pipe.text_encoder, pipe.text_encoder_2):
+            te.text_model.embeddings.token_embedding.weight.zero_()
+    assert mod.measure(pipe, pairs[:4])["pooled"]["relative_difference"] == 0
