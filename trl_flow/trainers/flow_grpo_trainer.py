@@ -45,8 +45,12 @@ class FlowGRPOTrainer(FlowRLTrainer):
     def compute_advantages(self, rollout):
         cfg = self.config
         adv = group_advantages(self.gather(rollout.rewards), self.gather(rollout.group_ids),
-                               cfg.scale_rewards, clip=cfg.adv_clip_max)
+                               cfg.scale_rewards, clip=cfg.adv_clip_max, baseline=self.advantage_baseline(rollout))
         rollout.advantages = adv[self._local_slice(len(adv))].to(self.device)
+
+    def advantage_baseline(self, rollout):
+        """(N,) bool over the gathered batch: the samples whose rewards make the group statistics; None: all."""
+        return None
 
     def compute_loss(self, rollout, idx, k, out):
         cfg = self.config

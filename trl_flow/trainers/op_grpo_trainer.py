@@ -6,7 +6,6 @@ import os
 
 import torch
 
-from ..advantages import group_advantages
 from ..data import prompt_indices
 from ..replay_buffer import ReplayBuffer, ReplayEntry
 from ..rollout import concat_rollouts
@@ -223,14 +222,10 @@ class OPGRPOTrainer(FlowGRPOTrainer):
     def importance_weights(self, rollout, idx, k):
         return rollout.extras["is_weights"][idx, k]
 
-    def compute_advantages(self, rollout):
-        cfg = self.config
-        if cfg.replay_baseline == "group":
-            return super().compute_advantages(rollout)
-        fresh = ~self.gather(rollout.extras["is_replay"])  # "fresh": statistics from the fresh samples only
-        adv = group_advantages(self.gather(rollout.rewards), self.gather(rollout.group_ids), cfg.scale_rewards,
-                               clip=cfg.adv_clip_max, baseline=fresh)
-        rollout.advantages = adv[self._local_slice(len(adv))].to(self.device)
+    def advantage_baseline(self, rollout):
+        if self.config.replay_baseline == "group":
+            return None
+        return ~self.gather(rollout.extras["is_replay"])  # "fresh": statistics from the fresh samples only
 
     def compute_loss(self, rollout, idx, k, out):
         loss, stats = super().compute_loss(rollout, idx, k, out)
