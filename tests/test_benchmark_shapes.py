@@ -13,9 +13,11 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _load():
-    """A fresh copy of benchmarks/shapes.py (its BASE / PILOT dicts are module state that --quick changes)."""
-    spec = importlib.util.spec_from_file_location("bench_shapes", os.path.join(ROOT, "benchmarks", "shapes.py"))
+def _load(script: str = "shapes"):
+    """A fresh copy of benchmarks/<script>.py (shapes.py's BASE / PILOT dicts are module state that --quick
+    changes)."""
+    name = "bench_shapes" if script == "shapes" else script
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{script}.py"))
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
@@ -170,10 +172,7 @@ def test_a_bare_label_at_a_swept_rate_is_summarised_with_its_rated_runs():
 
 
 def test_op_replay_advantages_diagnostic_measures_the_replayed_samples(tmp_path):
-    spec = importlib.util.spec_from_file_location("op_replay_advantages",
-                                                  os.path.join(ROOT, "benchmarks", "op_replay_advantages.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _load("op_replay_advantages")
     out = tmp_path / "ra.json"
     res = mod.main(["--steps", "2", "--out", str(out), "--workdir", str(tmp_path / "work")])
     assert json.loads(out.read_text())["rows"] == res["rows"]
@@ -187,10 +186,7 @@ def test_op_replay_advantages_diagnostic_measures_the_replayed_samples(tmp_path)
 
 
 def test_text_encoder_probe_pairs_relations_and_measures_their_embeddings():
-    spec = importlib.util.spec_from_file_location("shapes_text_encoders",
-                                                  os.path.join(ROOT, "benchmarks", "shapes_text_encoders.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _load("shapes_text_encoders")
     pairs = mod.relation_pairs()
     assert len(pairs) > 50
     for a, b in pairs:  # the two prompts differ in the relation only

@@ -334,13 +334,19 @@ def test_noisy_caption_flips_at_the_given_rates_and_is_seeded():
         "a red circle and a blue circle", ())
 
 
-def test_pretrain_script_captions_with_noise_and_never_names_a_test_prompt():
+def _pretrain_script():
+    """scripts/pretrain_shapes.py as a module."""
     import importlib.util
 
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "pretrain_shapes.py")
     spec = importlib.util.spec_from_file_location("pretrain_shapes", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_pretrain_script_captions_with_noise_and_never_names_a_test_prompt():
+    mod = _pretrain_script()
     weights = {"position": 1.0}
     images, cap_idx, captions, stats = mod.render_data(400, weights, seed=0, flip_relation=0.5)
     clean_images, clean_idx, prompts, none = mod.render_data(400, weights, seed=0)
@@ -356,13 +362,9 @@ def test_pretrain_script_captions_with_noise_and_never_names_a_test_prompt():
 
 
 def test_pretrain_script_trains_the_text_encoders_when_asked(tmp_path):
-    import importlib.util
     import json
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "pretrain_shapes.py")
-    spec = importlib.util.spec_from_file_location("pretrain_shapes", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _pretrain_script()
     out, state = str(tmp_path / "te"), str(tmp_path / "state.pt")
     n = torch.get_num_threads()
     try:
