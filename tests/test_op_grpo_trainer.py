@@ -242,8 +242,11 @@ def test_replay_baseline_sets_which_samples_make_the_group_statistics(tmp_path, 
         members = [m for m in range(len(r)) if int(r.group_ids[m]) == int(r.group_ids[i])]
         stats = members if replay_baseline == "group" else [m for m in members if m != i]
         rw = r.rewards[stats].double()
+        std = float(rw.std(unbiased=False))
+        if std < 1e-4:  # equal baseline rewards: the whole group's std scales (group_advantages)
+            std = float(r.rewards[members].double().std(unbiased=False))
         for m in members:
-            expected = (float(r.rewards[m]) - float(rw.mean())) / (float(rw.std(unbiased=False)) + 1e-4)
+            expected = (float(r.rewards[m]) - float(rw.mean())) / (std + 1e-4)
             assert float(r.advantages[m]) == pytest.approx(max(-5.0, min(5.0, expected)), rel=1e-3, abs=1e-5)
         if replay_baseline == "fresh":  # the fresh samples' advantages sum to 0 without the replayed one
             assert abs(float(r.advantages[[m for m in members if m != i]].sum())) < 1e-4

@@ -225,6 +225,14 @@ def test_baseline_mask_takes_statistics_from_the_masked_samples_only():
     _check(adv, [(r - m) / (sb + 1e-4) for r, m in zip(rewards.tolist(), [3, 3, 3, 3, 3, 3])])
     _check(group_advantages(rewards, groups, "group", baseline=torch.ones(6, dtype=torch.bool)),
            group_advantages(rewards, groups, "group").tolist())
+    # group std with equal baseline rewards: the std of the whole group scales it, not eps (which gave +-clip);
+    # one outsider in a group of 4 gets G / sqrt(G - 1), its baseline samples 0
+    adv = group_advantages(torch.tensor([0.5, 0.5, 0.5, 1.0]), torch.zeros(4, dtype=torch.long), "group",
+                           baseline=torch.tensor([True, True, True, False]))
+    _check(adv, [0.0, 0.0, 0.0, 0.5 / (_pop_std([0.5, 0.5, 0.5, 1.0]) + 1e-4)])
+    assert abs(float(adv[3]) - 4 / math.sqrt(3)) < 2e-3  # eps 1e-4 in the denominator
+    # without a mask an all-equal group still gets 0
+    _check(group_advantages(torch.tensor([0.5, 0.5]), torch.zeros(2, dtype=torch.long), "group"), [0.0, 0.0])
     # a group whose only baseline samples have no reward gets 0
     adv = group_advantages(torch.tensor([NAN, 5.0, 1.0, 2.0]), torch.tensor([0, 0, 1, 1]), "none",
                            baseline=torch.tensor([True, False, True, True]))

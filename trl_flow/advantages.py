@@ -48,7 +48,10 @@ def group_advantages(
             continue
         centred = r[m] - r[b].mean()
         if scale_rewards == "group":
-            centred = centred / (r[b].std(unbiased=False) + eps)
+            std = r[b].std(unbiased=False)
+            if baseline is not None and std < eps:
+                std = r[m].std(unbiased=False)
+            centred = centred / (std + eps)
         elif scale_rewards == "batch":
             centred = centred / (batch_std + eps)
         adv[m] = centred
