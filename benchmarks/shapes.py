@@ -41,6 +41,7 @@ writes them back. Without ``--lrs`` each method runs at its swept learning rate 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -162,6 +163,19 @@ def train_prompts(tier: dict) -> list[str]:
     return list(tier["train"])
 
 
+def subset_tier(tier: dict, n: int, trained_images: int = 64) -> dict:
+    """The tier trained on ``n`` prompts of its category (the first ``n`` in md5 order of the prompt text), scored
+    as before plus a ``trained`` split of ``trained_images`` images of those prompts: transfer against prompt-set
+    size (``--train-prompts``)."""
+    if not isinstance(tier["train"], str):
+        raise SystemExit("--train-prompts: the tier trains on a fixed prompt list already; use --tier 3 or 0")
+    pool = train_prompts(tier)
+    if not 1 <= n <= len(pool):
+        raise SystemExit(f"--train-prompts {n}: the tier's category has {len(pool)} training prompts; pick 1-{len(pool)}")
+    chosen = sorted(pool, key=lambda p: hashlib.md5(p.encode()).hexdigest())[:n]
+    return {**tier, "train": chosen, "evals": {"trained": (chosen, trained_images), **tier["evals"]}}
+
+
 def eval_sets(tier: dict, scale: float = 1.0) -> dict[str, tuple[list[str], list[str]]]:
     """Fixed evaluation prompts per split: a prompt list repeated to ``n`` images, or ``n`` seeded draws (with
     replacement) from the ``val`` / ``test`` prompts of a category."""
@@ -199,16 +213,6 @@ def evaluate(trainer, sets, primary: str, kl_prompts: int = 64) -> dict:
                                                   sampler="flow_sde", noise_level=KL_NOISE_LEVEL).mean())
     out["eval_cpu_s"] = time.process_time() - t0
     return out
-
-
-def load_base(name: str):
-    """A committed base (``clean``, ``noisy``, ...: ``shapes.BASE_MODEL_VARIANTS``) or a ``save_pretrained`` folder
-    (e.g. one written by scripts/pretrain_shapes.py)."""
-    from trl_flow.tasks import shapes
-
-    if os.path.isdir(name):
-        return shapes.load_base_pipeline(path=name)
-    return shapes.load_base_pipeline(variant=name)
 
 
 def parse_label(label: str) -> tuple[str, float | None]:
@@ -259,11 +263,14 @@ def machine_info(reps: int = 300) -> dict:
 def make_trainer(label: str, seed: int, tier_id: int, steps: int, out: str, base_name: str | None = None):
     """The trainer of one run: ``run_config``'s config on the tier's base model, reward and training prompts."""
     from trl_flow.rewards import get_reward
+    from trl_flow.tasks import shapes
 
     tier = TIERS[tier_id]
     config, tr_cls = run_config(label, seed, tier_id, steps, out)
     reward = get_reward(f"shapes_{tier['reward']}")  # the registry's shapes_partial / _strict / _dense / _relation
-    return tr_cls(config, load_base(base_name or tier["base"]), [reward], train_dataset=train_prompts(tier))
+    # a committed base (clean, noisy: shapes.BASE_MODEL_VARIANTS) or a save_pretrained folder (pretrain_shapes.py)
+    base = shapes.load_base_pipeline(variant=base_name or tier["base"])
+    return tr_cls(config, base, [reward], train_dataset=train_prompts(tier))
 
 
 def run_one(label: str, seed: int, tier_id: int, steps: int, eval_every: int, eval_scale: float, out: str,
@@ -582,6 +589,9 @@ def main(argv=None):
     ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
                     help="override BASE, or the tier's reward / config (reward=dense, config=none), for a pilot; "
                          "give it its own --out")
+    ap.add_argument("--train-prompts", type=int, default=None, metavar="N",
+                    help="train on N prompts of the tier's category (first N in md5 order), scored on the tier's "
+                         "held-out splits plus a 'trained' split of those prompts; give it its own --out")
     ap.add_argument("--jobs", type=int, default=1, help="runs in parallel, one single-threaded process each")
     ap.add_argument("--out", default=None, help="default: benchmarks/results/shapes_tier<N> (tier 0: .../shapes)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 1 seed, flow_grpo + op_grpo, 3 iterations")
@@ -602,6 +612,8 @@ def main(argv=None):
             raise SystemExit(f"--set {kv}: {key!r} is not a BASE key ({', '.join(BASE)}), 'reward' or 'config'")
         else:
             PILOT[key] = type(BASE[key])(json.loads(val)) if not isinstance(BASE[key], str) else val
+    if args.train_prompts:
+        TIERS[args.tier] = subset_tier(TIERS[args.tier], args.train_prompts)
     tier = TIERS[args.tier]
     args.out = args.out or default_out(args.tier)
     args.steps = args.steps or tier["steps"]
@@ -671,6 +683,7 @@ def _passthrough(args) -> list[str]:
            "--eval-scale", str(args.eval_scale), "--out", args.out]
     out += ["--base", args.base] if args.base else []
     out += ["--set", *args.set] if args.set else []
+    out += ["--train-prompts", str(args.train_prompts)] if args.train_prompts else []
     return out + (["--quick"] if args.quick else [])
 
 

@@ -31,10 +31,6 @@ def relation_pairs() -> list[tuple[str, str]]:
     return sorted((p, p.replace(a, b)) for p in pos for a, b in OPPOSITE.items() if a in p and p.replace(a, b) in pos)
 
 
-def load(name: str):
-    return model.load_base_pipeline(path=name) if os.path.isdir(name) else model.load_base_pipeline(variant=name)
-
-
 @torch.no_grad()
 def measure(pipe, pairs) -> dict:
     out = {}
@@ -58,7 +54,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="optional JSON file")
     args = ap.parse_args(argv)
     pairs = relation_pairs()
-    res = {"pairs": len(pairs), "bases": {b: measure(load(b), pairs) for b in args.bases}}
+    res = {"pairs": len(pairs), "bases": {b: measure(model.load_base_pipeline(variant=b), pairs) for b in args.bases}}
     print(json.dumps(res, indent=1))
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

@@ -197,10 +197,25 @@ def test_text_encoder_probe_pairs_relations_and_measures_their_embeddings():
         m = res["bases"]["clean"][key]
         assert 0.05 < m["relative_difference"] < 1 and -1 < m["direction_cosine"] < 1
     # a pipeline whose text encoders ignore the words has no difference at all
-    pipe = mod.load("clean")
+    pipe = mod.model.load_base_pipeline(variant="clean")
     import torch
 
     with torch.no_grad():
         for te in (pipe.text_encoder, pipe.text_encoder_2):
             te.text_model.embeddings.token_embedding.weight.zero_()
     assert mod.measure(pipe, pairs[:4])["pooled"]["relative_difference"] == 0
+
+
+def test_train_prompts_subset_trains_on_n_category_prompts_and_scores_them_beside_the_held_out_splits():
+    mod = _load()
+    pool = mod.train_prompts(mod.TIERS[3])
+    t8, t32 = mod.subset_tier(mod.TIERS[3], 8), mod.subset_tier(mod.TIERS[3], 32)
+    assert len(t32["train"]) == len(set(t32["train"])) == 32 and set(t32["train"]) <= set(pool)
+    assert t32["train"][:8] == t8["train"]  # nested: a larger set adds prompts, keeps the smaller one's
+    assert not set(t32["train"]) & set(mod._category_prompts("val", "position"))  # val stays held out
+    assert list(t32["evals"]) == ["trained", "val", "test"] and t32["evals"]["trained"] == (t32["train"], 64)
+    assert mod._task(t32)["train"] == t32["train"] != mod._task(mod.TIERS[3])["train"]  # summaries never mix them
+    with pytest.raises(SystemExit, match="fixed prompt list"):
+        mod.subset_tier(mod.TIERS[2], 4)
+    with pytest.raises(SystemExit, match=f"has {len(pool)} training prompts"):
+        mod.subset_tier(mod.TIERS[3], len(pool) + 1)

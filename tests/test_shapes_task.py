@@ -406,8 +406,12 @@ def test_noisy_base_variant_loads_and_differs_only_in_the_transformer(base_pipe)
     assert any(not torch.equal(ta[k], tb[k]) for k in ta)  # fine-tuned transformer
     images = model.generate(noisy, ["a red circle to the left of a blue square"] * 2, seed=0, num_inference_steps=4)
     assert images.shape == (2, 3, 32, 32)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="'nope'.*save_pretrained folder"):
         model.load_base_pipeline(variant="nope")
+    # a folder as the variant (name or path, as from_pretrained) is the same as path=
+    by_folder = model.load_base_pipeline(variant=d)
+    tc = by_folder.transformer.state_dict()
+    assert all(torch.equal(tb[k], tc[k]) for k in tb)
 
 
 def test_corner_occupancy_separates_discs_from_soft_cornered_squares():

@@ -269,7 +269,8 @@ def load_base_pipeline(device="cpu", dtype=torch.float32, path: str | None = Non
 
     ``variant``: ``"clean"`` (the default: ``base_model/``, trained on clean captions) or ``"noisy"``
     (``base_model_noisy/``, the same model fine-tuned on captions with planted errors, so that it is partly
-    right where RL post-training can fix it). ``path`` (any ``save_pretrained`` folder) overrides ``variant``.
+    right where RL post-training can fix it), or a ``save_pretrained`` folder (name or path, as ``from_pretrained``
+    takes either; e.g. one written by scripts/pretrain_shapes.py). ``path`` (a folder) overrides ``variant``.
 
     Sample with ``pipe(prompt, height=32, width=32, num_inference_steps=DEFAULT_NUM_INFERENCE_STEPS,
     guidance_scale=DEFAULT_GUIDANCE_SCALE, max_sequence_length=MAX_SEQUENCE_LENGTH)`` or :func:`generate`.
@@ -277,9 +278,13 @@ def load_base_pipeline(device="cpu", dtype=torch.float32, path: str | None = Non
     from diffusers import StableDiffusion3Pipeline
 
     if path is None:
-        if variant not in BASE_MODEL_VARIANTS:
-            raise ValueError(f"unknown base model variant {variant!r}; expected one of {sorted(BASE_MODEL_VARIANTS)}")
-        path = BASE_MODEL_VARIANTS[variant]
+        if variant in BASE_MODEL_VARIANTS:
+            path = BASE_MODEL_VARIANTS[variant]
+        elif os.path.isdir(variant):
+            path = variant
+        else:
+            raise ValueError(f"unknown base model variant {variant!r}: expected one of {sorted(BASE_MODEL_VARIANTS)} "
+                             "or an existing save_pretrained folder")
     pipe = StableDiffusion3Pipeline.from_pretrained(
         path, text_encoder_3=None, tokenizer_3=None, dtype=dtype
     )
