@@ -64,22 +64,6 @@ def shape_features(images, prompts):
     return rows
 
 
-def relation_ok(image, prompt):
-    """Colour-level relation check of a position prompt whose objects differ in colour: the largest component
-    of each colour stands in the asked relation (shapes ignored). None for other prompts or a missing colour."""
-    spec = grammar.parse_prompt(prompt)
-    if spec.relation is None or spec.objects[0].color == spec.objects[1].color:
-        return None
-    min_pixels, comps = reward.colored_components(image)
-    boxes = []
-    for o in spec.objects:
-        mine = [c for c in comps if c[0] == o.color and c[1] >= min_pixels]
-        if not mine:
-            return False
-        boxes.append(max(mine, key=lambda c: c[1])[2])
-    return reward.relation_holds(boxes[0], boxes[1], spec.relation)
-
-
 def summarize_features(rows):
     out = {}
     for s in grammar.SHAPES:
@@ -129,7 +113,7 @@ def main(argv=None):
             prompts, cats = pick(ds, args.per_category, seed=0)
             images = model.generate(pipe, prompts, seed=0)
             res["accuracy"][split] = reward.evaluate(images, prompts, cats)
-            rel = [relation_ok(img, p) for img, p in zip(images, prompts)]
+            rel = [reward.colour_relation_holds(img, p) for img, p in zip(images, prompts)]
             rel = [v for v in rel if v is not None]
             res["relation"][split] = {"acc": float(np.mean(rel)), "n": len(rel)}
             feat_rows += shape_features(images, prompts)
@@ -145,7 +129,7 @@ def main(argv=None):
             strict = np.array(reward.shapes_strict_reward(images, prompts)).reshape(len(chosen), args.group_size)
             feat_rows += shape_features(images, prompts)
             if cat == "position":
-                rel = np.array([relation_ok(img, p) for img, p in zip(images, prompts)], dtype=object)
+                rel = np.array([reward.colour_relation_holds(img, p) for img, p in zip(images, prompts)], dtype=object)
                 rel = rel.reshape(len(chosen), args.group_size)
                 keep = [i for i in range(len(chosen)) if all(v is not None for v in rel[i])]
                 r = rel[keep].astype(float)

@@ -149,8 +149,10 @@ def test_evaluate_per_category():
     result = shapes.evaluate(images, prompts, [grammar.parse_prompt(p).category for p in prompts])
     assert result["overall"]["strict"] == 1.0 and result["overall"]["n"] == 60
     assert set(result) - {"overall"} <= set(grammar.CATEGORIES)
-    for r in result.values():
-        assert set(r) == {"strict", "partial", "cleanliness", "n"}
+    for name, r in result.items():
+        extra = {"relation", "n_relation"} if name in ("overall", "position") else set()
+        assert set(r) == {"strict", "partial", "cleanliness", "n"} | extra, name
+        assert r.get("relation", 1.0) == 1.0  # rendered ground truth stands in every asked relation
     assert shapes.evaluate(images, prompts)["overall"]["partial"] == 1.0  # categories parsed when omitted
 
 
@@ -466,3 +468,18 @@ def test_dense_reward_grades_the_square_circle_decision_by_corner_occupancy():
     flip = read.index("circle")
     assert set(read[:flip]) == {"square"} and set(read[flip:]) == {"circle"}
     assert sq[flip - 1] >= ci[flip - 1] - 1e-6 and sq[flip] < ci[flip]
+
+
+def test_colour_relation_check_reads_the_relation_of_the_two_colours_and_evaluate_reports_it():
+    from trl_flow.tasks.shapes import render_batch, reward
+
+    left, right = "a red circle to the left of a blue square", "a red circle to the right of a blue square"
+    imgs = render_batch([left] * 4, rng=0)
+    assert all(reward.colour_relation_holds(img, left) for img in imgs)
+    assert not any(reward.colour_relation_holds(img, right) for img in imgs)
+    assert reward.colour_relation_holds(imgs[0], "a red circle above a red square") is None  # one colour
+    assert reward.colour_relation_holds(imgs[0], "a red circle") is None  # no relation
+    assert reward.colour_relation_holds(imgs[0] * 0, left) is False  # a colour missing
+    res = reward.evaluate(imgs, [left, left, right, "a red circle"])
+    assert res["overall"]["relation"] == 2 / 3 and res["overall"]["n_relation"] == 3
+    assert "relation" not in res["single"] and res["position"]["n_relation"] == 3

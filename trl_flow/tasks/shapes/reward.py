@@ -266,6 +266,24 @@ def constraints_met(objects: list[dict], spec: PromptSpec) -> list[bool]:
     return met
 
 
+def colour_relation_holds(image, prompt) -> bool | None:
+    """Colour-level relation check of a position prompt whose two objects differ in colour: the largest component
+    of each colour stands in the asked relation, shapes ignored (what the noisy-caption base gets wrong, apart from
+    its shapes). ``image``: (3, H, W) in [0, 1]. None for prompts without a relation or with one colour; False when
+    a colour is missing."""
+    spec = _as_spec(prompt)
+    if spec.relation is None or spec.objects[0].color == spec.objects[1].color:
+        return None
+    min_pixels, comps = colored_components(image)
+    boxes = []
+    for o in spec.objects:
+        mine = [c for c in comps if c[0] == o.color and c[1] >= min_pixels]
+        if not mine:
+            return False
+        boxes.append(max(mine, key=lambda c: c[1])[2])
+    return relation_holds(boxes[0], boxes[1], spec.relation)
+
+
 def score(image, prompt) -> dict[str, float]:
     """Scores one image (3, H, W) against a prompt: ``{"strict": 0/1, "partial": share of constraints met}``."""
     met = constraints_met(detect(image), _as_spec(prompt))
@@ -327,15 +345,19 @@ def evaluate(images, prompts, categories=None) -> dict[str, dict[str, float]]:
     rows = []
     for img, p, c in zip(imgs, prompts, categories):
         s = score(img, p)
-        rows.append((c, s["strict"], s["partial"], shape_cleanliness([img])[0]))
+        rows.append((c, s["strict"], s["partial"], shape_cleanliness([img])[0], colour_relation_holds(img, p)))
 
     def summary(sel):
-        return {
+        out = {
             "strict": float(np.mean([r[1] for r in sel])),
             "partial": float(np.mean([r[2] for r in sel])),
             "cleanliness": float(np.mean([r[3] for r in sel])),
             "n": len(sel),
         }
+        rel = [r[4] for r in sel if r[4] is not None]
+        if rel:  # position prompts of two colours: colour-level relation accuracy and how many it is over
+            out["relation"], out["n_relation"] = float(np.mean(rel)), len(rel)
+        return out
 
     result = {"overall": summary(rows)}
     present = [c for c in CATEGORIES if c in set(categories)] + sorted(set(categories) - set(CATEGORIES))
