@@ -323,6 +323,21 @@ def runs_task(runs: list[dict], tier: dict) -> dict:
     return next(iter(tasks.values())) if tasks else _task(tier)
 
 
+def _relation_by_split(runs: list[dict], splits) -> dict:
+    """Colour-level relation accuracy (``shapes.evaluate``'s ``relation``) per split, over the runs that recorded it
+    (runs made before it was reported did not): ``{split: {"base", "final": (mean, std), "gain_per_seed", "seeds"}}``,
+    the base from those runs' step-0 evaluations; {} where none did."""
+    out = {}
+    for sp in splits:
+        rs = [r for r in runs if all("relation" in e[sp]["overall"] for e in r["evals"])]
+        if rs:
+            first = [r["evals"][0][sp]["overall"]["relation"] for r in rs]
+            last = [r["evals"][-1][sp]["overall"]["relation"] for r in rs]
+            out[sp] = {"base": statistics.mean(first), "final": _ms(last),
+                       "gain_per_seed": [b - a for a, b in zip(first, last)], "seeds": [r["seed"] for r in rs]}
+    return out
+
+
 def _ms(xs):
     xs = [x for x in xs if x is not None]
     if not xs:
@@ -396,6 +411,7 @@ def summarise(runs: list[dict], tier_id: int, reference: str | None = None) -> d
             "final_mean": _ms(finals)[0], "final_std": _ms(finals)[1], "final_per_seed": finals,
             "final_by_split": {sp: {k: _ms([final(r, sp, k) for r in rs]) for k in ("strict", "partial")}
                                for sp in splits},
+            "relation_by_split": _relation_by_split(rs, splits),
             "cleanliness_final": _ms([final(r, key="cleanliness") for r in rs]),
             "kl_final": _ms([r["evals"][-1]["kl"] for r in rs])[0],
             "kl_final_ms": _ms([r["evals"][-1]["kl"] for r in rs]),
@@ -490,6 +506,12 @@ def table(summary: dict) -> str:
             f"{'n/a' if s.get('kl_at_target') is None else format(s['kl_at_target'], '.3f')} | {f(s['clip_frac'])} | "
             f"{f(s['clip_frac_off_policy'])} | {f(s['mask_frac'])} | "
             f"{s['reward_first10'][0]:.3f} -> {s['reward_last10'][0]:.3f} | {f(s['cpu_s_per_iter'], 2)} |")
+    rel_rows = [(m, sp, v) for m, s in summary["methods"].items() for sp, v in s.get("relation_by_split", {}).items()]
+    if rel_rows:
+        lines += ["", "Colour-level relation accuracy (shapes ignored; two-colour position prompts), over the runs "
+                  "that recorded it: " + "; ".join(f"{m} {sp} {v['base']:.3f} -> {f(v['final'])} (seeds "
+                                                   f"{', '.join(map(str, v['seeds']))})" for m, sp, v in rel_rows)
+                  + "."]
     if not summary.get("cpu_comparable", True):
         cal = [m["calibration_s"] for m in summary["machines"] if m.get("calibration_s") is not None]
         lines += ["", "CPU columns mix machines: " + (f"calibration {min(cal):.2f}-{max(cal):.2f} s over "

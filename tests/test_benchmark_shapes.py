@@ -219,3 +219,21 @@ def test_train_prompts_subset_trains_on_n_category_prompts_and_scores_them_besid
         mod.subset_tier(mod.TIERS[2], 4)
     with pytest.raises(SystemExit, match=f"has {len(pool)} training prompts"):
         mod.subset_tier(mod.TIERS[3], len(pool) + 1)
+
+
+def test_summary_reports_the_colour_relation_over_the_runs_that_recorded_it():
+    mod = _load()
+    old = [_fake_run("flow_grpo@0.001", 0, [0.2, 0.5], [0, 0.3])]  # made before evaluate reported the relation
+    new = []
+    for seed, (a, b) in ((1, (0.6, 0.8)), (2, (0.6, 0.7))):
+        r = _fake_run("flow_grpo@0.001", seed, [0.2, 0.5], [0, 0.3])
+        for e, v in zip(r["evals"], (a, b)):
+            e["val"]["overall"].update(relation=v, n_relation=70)
+        new.append(r)
+    s = mod.summarise(old + new, 2)
+    rel = s["methods"]["flow_grpo@0.001"]["relation_by_split"]
+    assert list(rel) == ["val"] and rel["val"]["seeds"] == [1, 2] and rel["val"]["base"] == pytest.approx(0.6)
+    assert rel["val"]["final"][0] == pytest.approx(0.75) and rel["val"]["gain_per_seed"] == pytest.approx([0.2, 0.1])
+    assert "flow_grpo@0.001 val 0.600 -> 0.750" in mod.table(s) and "(seeds 1, 2)" in mod.table(s)
+    assert mod.summarise(old, 2)["methods"]["flow_grpo@0.001"]["relation_by_split"] == {}
+    assert "Colour-level relation" not in mod.table(mod.summarise(old, 2))
