@@ -299,6 +299,25 @@ def test_short_buffer_does_not_duplicate_a_fresh_prompt(tmp_path):
     assert fresh_group_prompts == {rows1[0], rows1[1], rows1[3]}
 
 
+@pytest.mark.parametrize("dataset", [["one prompt"], ["prompt a", "prompt b"]])
+def test_fewer_distinct_prompts_than_groups_still_replays(tmp_path, dataset):
+    # every iteration repeats its prompts, so excluding the fresh ones would leave nothing to replay (one prompt:
+    # OP-GRPO silently became Flow-GRPO); a replayed group then shares its prompt with fresh groups
+    P, G = 4, 3
+    tr = make_trainer(tmp_path, dataset=dataset, prompts_per_step=P, num_generations=G)
+    tr.make_rollout(0)
+    assert sorted(tr.replay_buffer.prompts) == sorted(dataset)
+    r = tr.make_rollout(1)
+    rep = replayed(r)
+    n_off = min(round(P * tr.config.off_policy_fraction), len(dataset))  # the buffer holds one entry a prompt
+    assert n_off >= 1 and len(rep) == n_off and len({r.prompts[i] for i in rep}) == n_off
+    assert r.extras["metrics"]["off_policy_share"] == n_off / (P * G) and len(r) == P * G
+    for i in rep:  # each replayed trajectory sits in a group of G-1 fresh samples of its prompt
+        members = [m for m in range(len(r)) if int(r.group_ids[m]) == int(r.group_ids[i])]
+        assert len(members) == G and {r.prompts[m] for m in members} == {r.prompts[i]}
+    assert sorted(set(int(x) for x in r.group_ids)) == list(range(P))
+
+
 def test_zero_fraction_never_replays_and_is_flow_grpo(tmp_path):
     tr = make_trainer(tmp_path / "op", off_policy_fraction=0.0, max_steps=3, learning_rate=1e-2)
     tr.train()
