@@ -202,12 +202,13 @@ def test_readme_tier2_numbers_are_the_committed_summary():
         s = sweep[label]
         assert len(s["seeds"]) == 3 and f"{name} " in readme, label
         assert f"{s['final_mean']:.3f} +- {s['final_std']:.3f}" in readme, f"README.md: {label}'s committed numbers"
-    # and the tier-3 (held-out) Flow-GRPO numbers are those of its committed 3-seed summary
+    # and the tier-3 (held-out) Flow-GRPO numbers are those of its committed summary, with its seed count
     tier3 = _committed_summary("shapes_tier3")
     s = tier3["methods"]["flow_grpo@0.001"]
-    assert len(s["seeds"]) == 3 and tier3["tier"] == 3
+    assert len(s["seeds"]) >= 3 and tier3["tier"] == 3
     quoted = f"{tier3['base']:.3f} -> {s['final_mean']:.3f} +- {s['final_std']:.3f}"
     assert quoted in readme, f"README.md: tier 3's committed numbers ({quoted})"
+    assert f"{quoted} on 100 val images at {len(s['seeds'])} seeds" in readme, "README.md: tier 3's seed count"
 
 
 def test_readme_sentence_changes_with_the_file():
