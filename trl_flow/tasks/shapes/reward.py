@@ -266,28 +266,32 @@ def constraints_met(objects: list[dict], spec: PromptSpec) -> list[bool]:
     return met
 
 
-def colour_relation_holds(image, prompt) -> bool | None:
-    """Colour-level relation check of a position prompt whose two objects differ in colour: the largest component
-    of each colour stands in the asked relation, shapes ignored (what the noisy-caption base gets wrong, apart from
-    its shapes). ``image``: (3, H, W) in [0, 1]. None for prompts without a relation or with one colour; False when
-    a colour is missing."""
+def colour_relation_holds(image, prompt, objects: list[dict] | None = None) -> bool | None:
+    """Colour-level relation check of a position prompt whose two objects differ in colour: the largest detected
+    object of each colour stands in the asked relation, shapes ignored (what the noisy-caption base gets wrong,
+    apart from its shapes). ``image``: (3, H, W) in [0, 1]; ``objects``: its :func:`detect` output, when the caller
+    has it already. None for prompts without a relation or with one colour; False when a colour is missing."""
     spec = _as_spec(prompt)
     if spec.relation is None or spec.objects[0].color == spec.objects[1].color:
         return None
-    min_pixels, comps = colored_components(image)
+    objects = detect(image) if objects is None else objects
     boxes = []
     for o in spec.objects:
-        mine = [c for c in comps if c[0] == o.color and c[1] >= min_pixels]
+        mine = [d for d in objects if d["color"] == o.color]
         if not mine:
             return False
-        boxes.append(max(mine, key=lambda c: c[1])[2])
+        boxes.append(max(mine, key=lambda d: d["area"])["box"])
     return relation_holds(boxes[0], boxes[1], spec.relation)
+
+
+def _score_objects(objects: list[dict], spec: PromptSpec) -> dict[str, float]:
+    met = constraints_met(objects, spec)
+    return {"strict": float(all(met)), "partial": float(np.mean(met))}
 
 
 def score(image, prompt) -> dict[str, float]:
     """Scores one image (3, H, W) against a prompt: ``{"strict": 0/1, "partial": share of constraints met}``."""
-    met = constraints_met(detect(image), _as_spec(prompt))
-    return {"strict": float(all(met)), "partial": float(np.mean(met))}
+    return _score_objects(detect(image), _as_spec(prompt))
 
 
 def _check_batch(images, prompts) -> list:
@@ -344,8 +348,10 @@ def evaluate(images, prompts, categories=None) -> dict[str, dict[str, float]]:
         categories = [parse_prompt(p).category for p in prompts]
     rows = []
     for img, p, c in zip(imgs, prompts, categories):
-        s = score(img, p)
-        rows.append((c, s["strict"], s["partial"], shape_cleanliness([img])[0], colour_relation_holds(img, p)))
+        objects, spec = detect(img), _as_spec(p)  # one detection serves the scores and the relation check
+        s = _score_objects(objects, spec)
+        rows.append((c, s["strict"], s["partial"], shape_cleanliness([img])[0],
+                     colour_relation_holds(img, spec, objects=objects)))
 
     def summary(sel):
         out = {
