@@ -79,7 +79,8 @@ class OPGRPOTrainer(FlowGRPOTrainer):
         entries = self.replay_buffer.sample(n_off, now=step, generator=self._generator(step, "replay"),
                                             exclude=exclude)
         # Fresh groups: this iteration's rows in order, skipping replayed prompts (if the buffer returned fewer
-        # entries than asked, later rows fill in, never duplicating a replayed prompt).
+        # entries than asked, later rows fill in, never duplicating a replayed prompt, unless the dataset has
+        # fewer distinct prompts than groups: then rows repeat prompts and a replayed one repeats too).
         replayed = {e.prompt for e in entries}
         fresh_rows = [g for g in range(P) if rows["prompt"][g] not in replayed]
         fresh_rows = (fresh_rows + [g for g in range(P) if g not in fresh_rows])[: P - len(entries)]
