@@ -112,10 +112,8 @@ def main(argv=None):
         for split, ds in splits.items():
             prompts, cats = pick(ds, args.per_category, seed=0)
             images = model.generate(pipe, prompts, seed=0)
-            res["accuracy"][split] = reward.evaluate(images, prompts, cats)
-            rel = [reward.colour_relation_holds(img, p) for img, p in zip(images, prompts)]
-            rel = [v for v in rel if v is not None]
-            res["relation"][split] = {"acc": float(np.mean(rel)), "n": len(rel)}
+            res["accuracy"][split] = acc = reward.evaluate(images, prompts, cats)  # one detection per image
+            res["relation"][split] = {"acc": acc["overall"]["relation"], "n": acc["overall"]["n_relation"]}
             feat_rows += shape_features(images, prompts)
             print(variant, split, "colour-level relation", res["relation"][split], "\n"
                   + reward.format_evaluation(res["accuracy"][split]), flush=True)
@@ -126,10 +124,13 @@ def main(argv=None):
             chosen = [pool[i] for i in g_rng.permutation(len(pool))[: args.group_prompts]]
             prompts = [p for p in chosen for _ in range(args.group_size)]
             images = model.generate(pipe, prompts, seed=100 + grammar.CATEGORIES.index(cat))
-            strict = np.array(reward.shapes_strict_reward(images, prompts)).reshape(len(chosen), args.group_size)
+            objects = [reward.detect(img) for img in images]  # one detection serves strict and the relation
+            strict = np.array([all(reward.constraints_met(o, grammar.parse_prompt(p))) for o, p in zip(objects, prompts)], float)
+            strict = strict.reshape(len(chosen), args.group_size)
             feat_rows += shape_features(images, prompts)
             if cat == "position":
-                rel = np.array([reward.colour_relation_holds(img, p) for img, p in zip(images, prompts)], dtype=object)
+                rel = np.array([reward.colour_relation_holds(img, p, objects=o)
+                                for img, p, o in zip(images, prompts, objects)], dtype=object)
                 rel = rel.reshape(len(chosen), args.group_size)
                 keep = [i for i in range(len(chosen)) if all(v is not None for v in rel[i])]
                 r = rel[keep].astype(float)
