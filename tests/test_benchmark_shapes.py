@@ -99,6 +99,8 @@ def test_summary_of_a_sweep_folder_is_relative_to_its_one_flow_grpo_run():
     assert op["steps_to_target_per_seed"] == [10, 10] and fg["steps_to_target_per_seed"] == [30, 30]
     assert abs(op["steps_to_target"] - 1 / 3) < 1e-12 and abs(op["cpu_to_target"] - 120 / 300) < 1e-12
     assert op["kl_at_target"] == 0.05 and fg["kl_at_target"] == 0.3
+    # the window mean averages each seed's last three evaluations: (0.3 + 0.4 + 0.5) / 3, (0.45 + 0.5 + 0.5) / 3
+    assert abs(fg["last3_mean"][0] - 0.4) < 1e-12 and abs(op["last3_mean"][0] - 1.45 / 3) < 1e-12
     assert "KL at target" in mod.table(s) and "`flow_grpo@0.001`" in mod.table(s)
     # two Flow-GRPO rates and no swept one for the tier: no reference unless named; a wrong name is refused
     runs += [_fake_run("flow_grpo@0.002", 0, [0.2, 0.3, 0.3, 0.3], [0, 0.2, 0.3, 0.4])]
