@@ -209,6 +209,13 @@ def test_readme_tier2_numbers_are_the_committed_summary():
     quoted = f"{tier3['base']:.3f} -> {s['final_mean']:.3f} +- {s['final_std']:.3f}"
     assert quoted in readme, f"README.md: tier 3's committed numbers ({quoted})"
     assert f"{quoted} on 100 val images at {len(s['seeds'])} seeds" in readme, "README.md: tier 3's seed count"
+    # and the 100-iteration Flow-DPPO numbers are those of benchmarks/results/shapes_tier3_long/, on both pages
+    long = _committed_summary("shapes_tier3_long")
+    s = long["methods"]["flow_dppo@0.001"]
+    assert long["tier"] == 3 and len(s["seeds"]) >= 3
+    quoted = f"{long['base']:.3f} -> {s['final_mean']:.3f} +- {s['final_std']:.3f} at {len(s['seeds'])} seeds"
+    assert quoted in readme, f"README.md: the 100-iteration tier-3 numbers ({quoted})"
+    assert f"**{s['final_mean']:.3f} +- {s['final_std']:.3f}**" in _page_text(os.path.join("docs", "benchmarks.md"))
 
 
 def test_readme_sentence_changes_with_the_file():
