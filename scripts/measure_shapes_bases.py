@@ -14,7 +14,12 @@ For each base variant (``shapes.load_base_pipeline(variant=...)``), ODE sampling
    (an object whose colour is unique in its prompt, count 1, and exactly one component of that colour found),
    per intended shape, with the share read as each shape;
 4. for position prompts whose objects differ in colour: the colour-level relation accuracy (largest component
-   of each colour, shapes ignored) and, in the groups of 8, the share of groups with mixed relation outcomes.
+   of each colour, shapes ignored) and, in the groups of 8, the share of groups with mixed relation outcomes;
+5. why position samples fail strict (``reward.failure_kind``: count, colour, shape, or the relation alone) on
+   ``--position-draws`` seeded draws of the val and test position prompts: the relation-only share is what a
+   model that fixes only the relation can gain.
+
+``--variants`` takes committed variants and ``save_pretrained`` folders (``clean,noisy,path/to/base_model``).
 Rendered ground truth (after the VAE round trip) is measured the same way for reference.
 """
 
@@ -82,9 +87,28 @@ def summarize_features(rows):
     return out
 
 
+def position_failures(pipe, ds, n: int, seed: int = 1234) -> dict:
+    """``kinds``: the shares of ``reward.FAILURE_KINDS`` on ``n`` seeded draws (with replacement) of the position prompts of
+    ``ds``, one image each, with the colour-level relation accuracy of the same images."""
+    pool = [p for p, c in zip(ds["prompt"], ds["category"]) if c == "position"]
+    prompts = [pool[i] for i in np.random.default_rng(seed).integers(0, len(pool), n)]
+    images = model.generate(pipe, prompts, seed=seed)
+    kinds, relation = [], []
+    for img, p in zip(images, prompts):
+        objects = reward.detect(img)
+        kinds.append(reward.failure_kind(objects, p))
+        r = reward.colour_relation_holds(img, p, objects=objects)
+        relation += [] if r is None else [r]
+    return {"kinds": {k: kinds.count(k) / n for k in reward.FAILURE_KINDS}, "n": n,
+            "relation": float(np.mean(relation)), "n_relation": len(relation)}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variants", default="clean,noisy")
+    ap.add_argument("--variants", default="clean,noisy",
+                    help="comma-separated committed variants (clean, noisy) or save_pretrained folders")
+    ap.add_argument("--position-draws", type=int, default=400,
+                    help="draws of the val and test position prompts for the failure breakdown (5.)")
     ap.add_argument("--per-category", type=int, default=40)
     ap.add_argument("--group-prompts", type=int, default=16)
     ap.add_argument("--group-size", type=int, default=8)
@@ -106,8 +130,8 @@ def main(argv=None):
     print("renders", json.dumps(result["renders_after_vae"]), flush=True)
     splits = {"train": grammar.train_prompts(), "val": grammar.val_prompts(), "test": grammar.test_prompts()}
     for variant in args.variants.split(","):
-        pipe = model.load_base_pipeline(variant=variant)
-        res = {"accuracy": {}, "relation": {}, "groups": {}}
+        pipe = model.load_base_pipeline(variant=variant)  # a variant name or a save_pretrained folder
+        res = {"accuracy": {}, "relation": {}, "groups": {}, "position_failures": {}}
         feat_rows = []
         for split, ds in splits.items():
             prompts, cats = pick(ds, args.per_category, seed=0)
@@ -117,6 +141,9 @@ def main(argv=None):
             feat_rows += shape_features(images, prompts)
             print(variant, split, "colour-level relation", res["relation"][split], "\n"
                   + reward.format_evaluation(res["accuracy"][split]), flush=True)
+        for split in ("val", "test"):
+            res["position_failures"][split] = failures = position_failures(pipe, splits[split], args.position_draws)
+            print(variant, split, "position failures", failures, flush=True)
         train = splits["train"]
         g_rng = np.random.default_rng(1)
         for cat in grammar.CATEGORIES:

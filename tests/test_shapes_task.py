@@ -125,6 +125,25 @@ def test_score_partial_credit_and_relation():
     assert reward.score(img.transpose(1, 2, 0) / 255.0, "a red circle to the left of a blue square")["strict"] == 1.0
 
 
+def test_failure_kind_names_the_first_failing_group():
+    prompt = "a red circle to the left of a blue square"
+    img = render(prompt, rng=3)
+    objects = reward.detect(img)
+    assert reward.failure_kind(objects, prompt) == "ok"
+    assert reward.failure_kind(objects, "a red circle to the right of a blue square") == "relation"
+    assert reward.failure_kind(objects, "a red triangle to the left of a blue square") == "shape"
+    assert reward.failure_kind(objects, "a green circle to the left of a blue square") == "colour"
+    assert reward.failure_kind(reward.detect(render("a red circle", rng=0)), prompt) == "count"
+    # the groups flatten to constraints_met, in its order, for every category
+    for p in ["two green triangles", "a red square and a green circle", prompt, "a blue circle below a red circle"]:
+        for q in [p, "a red circle", "a red circle and a blue square"]:
+            objs = reward.detect(render(q, rng=5))
+            groups = reward.constraint_groups(objs, grammar.parse_prompt(p))
+            assert list(groups) == ["colour", "shape", "count", "relation"]
+            assert [ok for g in groups.values() for ok in g] == reward.constraints_met(objs, grammar.parse_prompt(p))
+            assert (reward.failure_kind(objs, p) == "ok") == bool(reward.score(render(q, rng=5), p)["strict"])
+
+
 def test_reward_callables_follow_contract():
     prompts = ["a red circle", "two blue squares", "a green triangle above a red square"]
     images = render_batch(prompts, rng=0)
@@ -336,19 +355,19 @@ def test_noisy_caption_flips_at_the_given_rates_and_is_seeded():
         "a red circle and a blue circle", ())
 
 
-def _pretrain_script():
-    """scripts/pretrain_shapes.py as a module."""
+def _script(name: str = "pretrain_shapes"):
+    """scripts/<name>.py as a module."""
     import importlib.util
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "pretrain_shapes.py")
-    spec = importlib.util.spec_from_file_location("pretrain_shapes", path)
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
 def test_pretrain_script_captions_with_noise_and_never_names_a_test_prompt():
-    mod = _pretrain_script()
+    mod = _script()
     weights = {"position": 1.0}
     images, cap_idx, captions, stats = mod.render_data(400, weights, seed=0, flip_relation=0.5)
     clean_images, clean_idx, prompts, none = mod.render_data(400, weights, seed=0)
@@ -366,7 +385,7 @@ def test_pretrain_script_captions_with_noise_and_never_names_a_test_prompt():
 def test_pretrain_script_trains_the_text_encoders_when_asked(tmp_path):
     import json
 
-    mod = _pretrain_script()
+    mod = _script()
     out, state = str(tmp_path / "te"), str(tmp_path / "state.pt")
     n = torch.get_num_threads()
     try:
@@ -483,3 +502,15 @@ def test_colour_relation_check_reads_the_relation_of_the_two_colours_and_evaluat
     res = reward.evaluate(imgs, [left, left, right, "a red circle"])
     assert res["overall"]["relation"] == 2 / 3 and res["overall"]["n_relation"] == 3
     assert "relation" not in res["single"] and res["position"]["n_relation"] == 3
+
+
+def test_position_failures_share_out_every_sample(base_pipe):
+    mod = _script("measure_shapes_bases")
+    out = mod.position_failures(base_pipe, grammar.val_prompts(), n=16)
+    kinds = out["kinds"]
+    assert list(kinds) == list(reward.FAILURE_KINDS) and out["n"] == 16
+    assert sum(kinds.values()) == pytest.approx(1.0)
+    assert all(v * 16 == pytest.approx(round(v * 16)) for v in kinds.values())
+    assert 0.0 <= out["relation"] <= 1.0 and 0 < out["n_relation"] <= 16
+    # the clean base draws the relation right (0.97 in docs/shapes.md): relation-only failures are rare
+    assert out["relation"] > 0.7 and kinds["relation"] < 0.3

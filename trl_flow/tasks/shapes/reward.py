@@ -244,6 +244,16 @@ def _as_spec(prompt) -> PromptSpec:
 
 def constraints_met(objects: list[dict], spec: PromptSpec) -> list[bool]:
     """The list of constraint outcomes of ``spec`` on detected ``objects`` (see module docstring)."""
+    return [ok for group in constraint_groups(objects, spec).values() for ok in group]
+
+
+FAILURE_KINDS = ("ok", "count", "colour", "shape", "relation")
+
+
+def constraint_groups(objects: list[dict], spec: PromptSpec) -> dict[str, list[bool]]:
+    """:func:`constraints_met`'s outcomes by what they check: ``colour`` (objects per colour), ``shape`` (objects
+    per shape, presence and count of each colour-shape object), ``count`` (the total), ``relation`` (position
+    prompts only; an empty list otherwise). Flattened in this order they are :func:`constraints_met`."""
     want_color: Counter = Counter()
     want_shape: Counter = Counter()
     for o in spec.objects:
@@ -252,18 +262,31 @@ def constraints_met(objects: list[dict], spec: PromptSpec) -> list[bool]:
     got_color = Counter(o["color"] for o in objects)
     got_shape = Counter(o["shape"] for o in objects)
     got_combo = Counter((o["color"], o["shape"]) for o in objects)
-    met = [got_color[c] == n for c, n in want_color.items()]
-    met += [got_shape[s] == n for s, n in want_shape.items()]
-    met += [got_combo[o.combo] >= 1 for o in spec.objects]
-    met += [got_combo[o.combo] == o.count for o in spec.objects]
-    met.append(len(objects) == sum(o.count for o in spec.objects))
+    groups = {"colour": [got_color[c] == n for c, n in want_color.items()]}
+    groups["shape"] = [got_shape[s] == n for s, n in want_shape.items()]
+    groups["shape"] += [got_combo[o.combo] >= 1 for o in spec.objects]
+    groups["shape"] += [got_combo[o.combo] == o.count for o in spec.objects]
+    groups["count"] = [len(objects) == sum(o.count for o in spec.objects)]
+    groups["relation"] = []
     if spec.relation is not None:
         a, b = spec.objects
         boxes_a = [o["box"] for o in objects if (o["color"], o["shape"]) == a.combo]
         boxes_b = [o["box"] for o in objects if (o["color"], o["shape"]) == b.combo]
         ok = len(boxes_a) == 1 and len(boxes_b) == 1 and relation_holds(boxes_a[0], boxes_b[0], spec.relation)
-        met.append(bool(ok))
-    return met
+        groups["relation"].append(bool(ok))
+    return groups
+
+
+def failure_kind(objects: list[dict], spec) -> str:
+    """Why a sample fails strict, as one of ``FAILURE_KINDS``: ``"ok"`` when it passes, else the first failing
+    group in the order ``count`` (too many or too few objects), ``colour``, ``shape``, ``relation`` (all else
+    right). ``objects``: :func:`detect`'s output; ``spec``: a prompt or its ``PromptSpec``. Tells which share of
+    a model's failures a relation-only fix can reach."""
+    groups = constraint_groups(objects, _as_spec(spec))
+    for kind in ("count", "colour", "shape", "relation"):
+        if not all(groups[kind]):
+            return kind
+    return "ok"
 
 
 def colour_relation_holds(image, prompt, objects: list[dict] | None = None) -> bool | None:
