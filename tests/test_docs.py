@@ -296,3 +296,18 @@ def test_benchmarks_page_quotes_the_committed_replay_share_runs():
         s = summary["methods"][label]
         assert len(s["seeds"]) == 3, label
         assert f"{s['final_mean']:.3f} +- {s['final_std']:.3f}" in text, f"docs/benchmarks.md: {label}'s final score"
+
+
+def test_sharp_base_numbers_are_the_committed_summary():
+    """The tier-3 sharp-base numbers in README.md and docs/benchmarks.md are benchmarks/results/shapes_tier3_sharp/'s
+    (every row at 3 seeds), and the lr-5e-4 Flow-GRPO gain the README quotes is beyond 3 standard errors."""
+    summary = _committed_summary("shapes_tier3_sharp")
+    assert summary["tier"] == 3
+    readme, bench = _page_text("README.md"), _page_text(os.path.join("docs", "benchmarks.md"))
+    for label, s in summary["methods"].items():
+        assert len(s["seeds"]) == 3, label
+        assert f"**{s['final_mean']:.3f} +- {s['final_std']:.3f}**" in bench, f"docs/benchmarks.md: {label}"
+    fg = summary["methods"]["flow_grpo@0.0005"]
+    assert f"{summary['base']:.3f} -> {fg['final_mean']:.3f} +- {fg['final_std']:.3f} on val at 3 seeds" in readme
+    gains = [v - summary["base"] for v in fg["final_per_seed"]]
+    assert min(gains) > 0 and (sum(gains) / 3) / (fg["final_std"] / 3 ** 0.5) > 3
