@@ -9,6 +9,8 @@ Tiers (``--tier``, ``TIERS``), each its own output folder, all on the noisy-capt
 * tier 1, one prompt (the CartPole of this task): RL trains on one position prompt and is scored on it;
 * tier 2, a fixed set of 8 position prompts, scored on those prompts (the papers' training curves); the
   acceptance tier;
+* tier 4 ("tier 2b"), tier 2 on a second, disjoint set of 8 position prompts chosen by a stated rule before any
+  run on it (``TIER2B_PROMPTS``: the next 8 of tier 2's order), so that no tier-2 claim rests on one prompt set;
 * tier 3, a category (position), scored on held-out prompts RL never trains on: ``val`` (the held-out split of
   the same grammar, ``grammar.val_prompts``: 20% of the train-split prompts) and ``test`` (the stricter
   held-out-pairs split, ``grammar.test_prompts``: object pairs never seen together in any training prompt);
@@ -68,12 +70,23 @@ TIER2_PROMPTS = [  # the first 8 RL-train position prompts naming two colours, i
     "a green triangle above a red square", "a blue circle to the left of a red square",
     "a green triangle to the left of a red square", "a green triangle to the right of a red square",
 ]
+# Tier 2's second prompt set (tier 4, "tier 2b"), chosen by rule before any run on it: the next 8 prompts of the same
+# order (RL-train position prompts naming two colours, md5 order of the text), disjoint from TIER2_PROMPTS
+TIER2B_PROMPTS = [
+    "a green square below a blue triangle", "a blue circle above a green circle", "a red square below a green square",
+    "a blue circle below a green square", "a blue triangle to the left of a red circle",
+    "a green square below a blue circle", "a blue circle below a green circle",
+    "a blue triangle to the right of a green square",
+]
 TIERS = {
     0: dict(base="clean", train="category:position", evals={"val": ("val:position", 100), "test": ("test:position", 100)},
             primary="val", score="partial", reward="partial", steps=50, eval_every=10),
     1: dict(base="noisy", train=TIER1_PROMPTS, evals={"trained": (TIER1_PROMPTS, 64), "val": ("val:position", 64)},
             primary="trained", score="strict", reward="relation", steps=30, eval_every=5, config="ROLLOUT_16"),
     2: dict(base="noisy", train=TIER2_PROMPTS, evals={"trained": (TIER2_PROMPTS, 128), "val": ("val:position", 64)},
+            primary="trained", score="strict", reward="relation", steps=60, eval_every=10, config="ROLLOUT_16"),
+    # tier 2 on its second prompt set: every tier-2 claim is measured on both sets (issue 37)
+    4: dict(base="noisy", train=TIER2B_PROMPTS, evals={"trained": (TIER2B_PROMPTS, 128), "val": ("val:position", 64)},
             primary="trained", score="strict", reward="relation", steps=60, eval_every=10, config="ROLLOUT_16"),
     3: dict(base="noisy", train="category:position",
             evals={"val": ("val:position", 100), "test": ("test:position", 100)},
@@ -85,6 +98,7 @@ TIER_CONFIGS = {"ROLLOUT_16": dict(num_generations=16, gradient_accumulation_ste
 PILOT: dict = {}  # --set KEY=VALUE: over BASE and the tier's config, under a method's own overrides
 # Learning rate per (tier, method) chosen by the committed sweep (docs/benchmarks.md); others use BASE's.
 SWEPT_LR: dict[int, dict[str, float]] = {2: {"flow_grpo": 1e-3, "op_grpo": 1e-3, "flow_dppo": 1e-3}}
+SWEPT_LR[4] = SWEPT_LR[2]  # tier 2b takes tier 2's swept rates (not swept again on its prompts)
 # Acceptance of tier 2 (issue 18): Flow-GRPO's final score on the trained prompts beats the base by these.
 ACCEPT_GAIN, ACCEPT_STDS, ACCEPT_CPU_MIN = 0.15, 3.0, 15.0
 
@@ -136,6 +150,9 @@ METHODS = {
     "stepwise": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {}),
     "stepwise_per_step": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {"gain_normalization": "per_step"}),
     "stepwise_t1": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {"num_substeps": 1}),
+    # the paper's cheaper estimates (it reports its results robust to T' in {2, 5, 8})
+    "stepwise_t2": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {"num_substeps": 2}),
+    "stepwise_t3": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {"num_substeps": 3}),
     # the paper's ddim kernel (the default until issue 16's measurement): its early stds are tiny, so its clip binds
     # sooner; with eta 1 and with a 5x wider clip
     "stepwise_ddim": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {"sampler": "ddim"}),
@@ -456,8 +473,8 @@ def summarise(runs: list[dict], tier_id: int, reference: str | None = None) -> d
     if ref:
         fg = summary["methods"][ref]
         gain = fg["final_mean"] - base
-        need_gain = ACCEPT_GAIN if tier_id in (1, 2) else 0.08
-        need_cpu = ACCEPT_CPU_MIN if tier_id in (1, 2) else 25.0
+        need_gain = ACCEPT_GAIN if tier_id in (1, 2, 4) else 0.08
+        need_cpu = ACCEPT_CPU_MIN if tier_id in (1, 2, 4) else 25.0
         summary["acceptance"] = {
             "gain": gain, "required_gain": need_gain,
             "gain_ok": gain >= need_gain,
@@ -597,7 +614,8 @@ def _run_file(out, label, seed):
 
 
 def default_out(tier_id: int) -> str:
-    return "benchmarks/results/shapes" if tier_id == 0 else f"benchmarks/results/shapes_tier{tier_id}"
+    return {0: "benchmarks/results/shapes", 4: "benchmarks/results/shapes_tier2b"}.get(
+        tier_id, f"benchmarks/results/shapes_tier{tier_id}")
 
 
 def main(argv=None):
