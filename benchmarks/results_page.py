@@ -1,0 +1,308 @@
+"""The results page: docs/results.md and its figures, rendered from committed benchmark results only.
+
+    python benchmarks/results_page.py            # rewrite docs/results.md and docs/figures/*.png
+    python benchmarks/results_page.py --check    # exit 1 if docs/results.md differs from what the results give
+
+Every number on the page comes from a committed ``benchmarks/results/<folder>/results.json`` (each run's evaluation
+curve) through :func:`claims`; tests/test_docs.py re-renders the page and compares it with the committed one. One
+rule for every claimed difference (issue 37): two methods are compared at the same samples and optimizer steps per
+iteration, or the row says which side gets more and names the control. A difference is called one when Welch's t
+over seeds reaches ``T_DIFF`` (about p = 0.05 two-sided at 4 degrees of freedom, 3 seeds a side); below that the
+verdict is "within the noise".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+PAGE = os.path.join(ROOT, "docs", "results.md")
+FIGURES = os.path.join(ROOT, "docs", "figures")
+T_DIFF = 2.78
+
+# Each panel: one committed results folder, the runs shown (label -> name on the page) and what they are.
+PANELS = {
+    "tier2": dict(folder="shapes_tier2_matched", title="Tier 2, prompt set A (8 position prompts, trained-prompt strict)",
+                  methods={"flow_grpo@0.001": "Flow-GRPO", "flow_grpo_2epochs@0.001": "Flow-GRPO, 2 epochs",
+                           "flow_dppo_1epoch@0.001": "Flow-DPPO, 1 epoch", "flow_dppo@0.001": "Flow-DPPO, 2 epochs",
+                           "stepwise_t2@0.001": "Stepwise T'=2", "stepwise_t3@0.001": "Stepwise T'=3",
+                           "stepwise@0.001": "Stepwise T'=5", "op_grpo@0.001": "OP-GRPO (old form)"}),
+    "tier2b": dict(folder="shapes_tier2b", title="Tier 2, prompt set B (8 other position prompts, chosen by rule)",
+                   methods={"flow_grpo@0.001": "Flow-GRPO", "flow_grpo_2epochs@0.001": "Flow-GRPO, 2 epochs",
+                            "flow_dppo_1epoch@0.001": "Flow-DPPO, 1 epoch", "flow_dppo@0.001": "Flow-DPPO, 2 epochs",
+                            "stepwise_t2@0.001": "Stepwise T'=2", "stepwise_t3@0.001": "Stepwise T'=3",
+                            "stepwise@0.001": "Stepwise T'=5"}),
+    "tier3": dict(folder="shapes_tier3_sharp", title="Tier 3, sharp base (164 position prompts, held-out val strict)",
+                  methods={"flow_grpo@0.0005": "Flow-GRPO", "flow_dppo@0.0005": "Flow-DPPO, 2 epochs"}),
+}
+
+
+# ------------------------------------------------------------------------------------------------- statistics
+def ms(xs) -> tuple[float, float] | None:
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return None
+    return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def welch_t(a, b) -> float | None:
+    """Welch's t of mean(a) - mean(b); None with fewer than 2 values a side."""
+    if len(a) < 2 or len(b) < 2:
+        return None
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    d = statistics.mean(a) - statistics.mean(b)
+    return math.copysign(math.inf, d) if va + vb == 0 and d else (d / math.sqrt(va + vb) if va + vb else 0.0)
+
+
+def load_panel(name: str) -> dict | None:
+    """Per shown label, per-seed values from the folder's results.json (None when the folder is not committed)."""
+    panel = PANELS[name]
+    path = os.path.join(RESULTS, panel["folder"], "results.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        data = json.load(f)
+    summary = data["summary"]
+    split, key, target = summary["split"], summary["score_key"], summary["target"]
+    out = {"base": summary["base"], "target": target, "split": split, "score": key, "methods": {}}
+    for label in panel["methods"]:
+        runs = sorted((r for r in data["runs"] if r["method"] == label), key=lambda r: r["seed"])
+        if not runs:
+            continue
+
+        def reach(r, field):
+            return next((e[field] for e in r["evals"] if target is not None
+                         and e[split]["overall"][key] >= target - 1e-9), None)
+
+        out["methods"][label] = {
+            "seeds": [r["seed"] for r in runs],
+            "final": [r["evals"][-1][split]["overall"][key] for r in runs],
+            "kl": [r["evals"][-1]["kl"] for r in runs],
+            "steps_to_target": [reach(r, "step") for r in runs],
+            "cpu_to_target": [reach(r, "cpu_s") for r in runs],
+            "kl_at_target": [reach(r, "kl") for r in runs],
+            "cpu_per_iter": [r["cpu_s"] / len(r["iterations"]) for r in runs],
+            "curves": [[(e["step"], e["cpu_s"], e["kl"], e[split]["overall"][key]) for e in r["evals"]] for r in runs],
+        }
+    return out
+
+
+def fmt(pair, nd=3) -> str:
+    return "n/a" if pair is None else f"{pair[0]:.{nd}f} +- {pair[1]:.{nd}f}"
+
+
+def compare(p: dict, a: str, b: str, field: str = "final") -> dict | None:
+    """a against b on one per-seed field: means, ratio of means, Welch t."""
+    ma, mb = p["methods"].get(a), p["methods"].get(b)
+    if not ma or not mb:
+        return None
+    xa, xb = [x for x in ma[field] if x is not None], [x for x in mb[field] if x is not None]
+    if not xa or not xb:
+        return None
+    return {"a": ms(xa), "b": ms(xb), "na": len(xa), "nb": len(xb), "t": welch_t(xa, xb),
+            "ratio": statistics.mean(xa) / statistics.mean(xb) if statistics.mean(xb) else None}
+
+
+# ------------------------------------------------------------------------------------------------- the claims
+SHORT = {"tier2": "set A", "tier2b": "set B", "tier3": "tier 3"}
+
+
+def cell(p: dict | None, a: str, b: str | None, field: str = "final") -> tuple[str, float | None]:
+    """One measured comparison as a short cell and its t: ``a`` against ``b`` (Welch), or against the base (``b``
+    None: one-sample t)."""
+    if p is None or a not in p["methods"] or (b is not None and b not in p["methods"]):
+        return "not measured yet", None
+    if b is None:
+        f = ms(p["methods"][a][field])
+        n = len(p["methods"][a][field])
+        t = (f[0] - p["base"]) / (f[1] / math.sqrt(n)) if f[1] else math.inf
+        return f"{p['base']:.3f} -> {fmt(f)}, t {t:+.1f}", t
+    c = compare(p, a, b, field)
+    if c is None:
+        return "target not reached", None
+    nd = 4 if field == "kl_at_target" else (0 if field == "cpu_to_target" else 3)
+    ratio = f" ({c['ratio']:.2f}x)" if field != "final" and c["ratio"] is not None else ""
+    t = "" if c["t"] is None else f", t {c['t']:+.1f}"
+    return f"{fmt(c['a'], nd)} vs {fmt(c['b'], nd)}{ratio}{t}", c["t"]
+
+
+def verdict(ts: list[float | None], better: str) -> str:
+    """Words for the cells' t values; ``better`` is the sign the claim predicts (+1: a > b, -1: a < b)."""
+    got = [t for t in ts if t is not None]
+    if not got:
+        return "not measured yet"
+    sign = 1 if better == "higher" else -1
+    held = [t * sign >= T_DIFF for t in got]
+    against = [t * sign <= -T_DIFF for t in got]
+    part = "" if len(got) == len(ts) else " (so far)"
+    if all(held):
+        return f"holds{part}"
+    if any(against):
+        return f"the opposite on {sum(against)} of {len(got)}{part}"
+    if any(held):
+        return f"holds on {sum(held)} of {len(got)}, within the noise elsewhere{part}"
+    return f"within the noise{part}"
+
+
+# (method, claim, paper's figure, panels, a, b, per-seed field, the direction the claim predicts)
+CLAIMS = [
+    ("Flow-GRPO", "improves the base", "GenEval 0.63 -> 0.95", ("tier2", "tier2b"), "flow_grpo@0.001", None,
+     "final", "higher"),
+    ("Flow-DPPO", "beats Flow-GRPO at 1 epoch each (4 optimizer steps an iteration)", "GenEval2 78.9 vs 56.6",
+     ("tier2", "tier2b"), "flow_dppo_1epoch@0.001", "flow_grpo@0.001", "final", "higher"),
+    ("Flow-DPPO", "beats Flow-GRPO at 2 epochs each (8 optimizer steps)", "GenEval2 78.9 vs 56.6",
+     ("tier2", "tier2b"), "flow_dppo@0.001", "flow_grpo_2epochs@0.001", "final", "higher"),
+    ("(control)", "Flow-GRPO: what a second epoch alone is worth", "", ("tier2", "tier2b"),
+     "flow_grpo_2epochs@0.001", "flow_grpo@0.001", "final", "higher"),
+    ("Flow-DPPO", "lower KL to the base at a matched score, 1 epoch each", "0.50x", ("tier2", "tier2b"),
+     "flow_dppo_1epoch@0.001", "flow_grpo@0.001", "kl_at_target", "lower"),
+    ("Flow-DPPO", "lower KL to the base at a matched score, 2 epochs each", "0.50x", ("tier2", "tier2b"),
+     "flow_dppo@0.001", "flow_grpo_2epochs@0.001", "kl_at_target", "lower"),
+    ("Stepwise", "less CPU to the target than Flow-GRPO, T'=2", "0.6-0.8x wall-clock", ("tier2", "tier2b"),
+     "stepwise_t2@0.001", "flow_grpo@0.001", "cpu_to_target", "lower"),
+    ("Stepwise", "less CPU to the target than Flow-GRPO, T'=3", "0.6-0.8x wall-clock", ("tier2", "tier2b"),
+     "stepwise_t3@0.001", "flow_grpo@0.001", "cpu_to_target", "lower"),
+    ("Stepwise", "less CPU to the target than Flow-GRPO, T'=5", "0.6-0.8x wall-clock", ("tier2", "tier2b"),
+     "stepwise@0.001", "flow_grpo@0.001", "cpu_to_target", "lower"),
+    ("Stepwise", "higher final score than Flow-GRPO, T'=2", "GenEval 0.71 vs 0.68", ("tier2", "tier2b"),
+     "stepwise_t2@0.001", "flow_grpo@0.001", "final", "higher"),
+    ("Flow-GRPO", "improves held-out prompts (sharp base, lr 5e-4)", "", ("tier3",), "flow_grpo@0.0005", None,
+     "final", "higher"),
+    ("Flow-DPPO", "beats Flow-GRPO on held-out prompts (2 epochs vs 1: not matched)", "GenEval2 78.9 vs 56.6",
+     ("tier3",), "flow_dppo@0.0005", "flow_grpo@0.0005", "final", "higher"),
+]
+
+
+def claims(panels: dict) -> list[tuple]:
+    """(method, claim, paper, cell per set, verdict) rows; every number from ``panels``."""
+    rows = []
+    for method, claim, paper, where, a, b, field, better in CLAIMS:
+        cells = [cell(panels.get(pname), a, b, field) for pname in where]
+        text = "; ".join(f"{SHORT[pname]}: {c}" for pname, (c, _) in zip(where, cells))
+        rows.append((method, claim, paper, text, verdict([t for _, t in cells], better)))
+    rows.append(("OP-GRPO", "the same final score in 34.2% of Flow-GRPO's steps", "0.342x",
+                 "the described form (late truncation, 25% replayed samples): issue 38", "not measured yet"))
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------- figures
+def figure(name: str, p: dict) -> str:
+    """One row of three axes (score vs iteration, vs CPU-seconds, vs KL to the base): per method the mean over seeds
+    with a band of +- one std. Returns the PNG's path relative to docs/."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = PANELS[name]["methods"]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for i, (label, m) in enumerate(p["methods"].items()):
+        n = min(len(c) for c in m["curves"])
+        cols = [list(zip(*[c[j] for c in m["curves"]])) for j in range(n)]  # per eval point: (steps, cpus, kls, ys)
+        y = [statistics.mean(c[3]) for c in cols]
+        sd = [statistics.stdev(c[3]) if len(c[3]) > 1 else 0.0 for c in cols]
+        for ax, xi in zip(axes, (0, 1, 2)):
+            x = [statistics.mean(c[xi]) for c in cols]
+            ax.plot(x, y, color=f"C{i}", marker=".", label=f"{names[label]} ({len(m['curves'])} seeds)")
+            ax.fill_between(x, [a - b for a, b in zip(y, sd)], [a + b for a, b in zip(y, sd)], color=f"C{i}",
+                            alpha=0.15, linewidth=0)
+    for ax, xl in zip(axes, ("iteration", "CPU seconds of training (one core, mean over seeds)",
+                             "KL to the base model (mean over seeds)")):
+        ax.axhline(p["base"], color="grey", lw=0.8, ls=":")
+        ax.set_xlabel(xl, fontsize=8)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel(f"{p['score']} accuracy, {p['split']} prompts")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(PANELS[name]["title"] + "; mean +- std over seeds, dotted: the base", fontsize=9)
+    fig.tight_layout()
+    os.makedirs(FIGURES, exist_ok=True)
+    fig.savefig(os.path.join(FIGURES, f"{name}.png"), dpi=90)
+    plt.close(fig)
+    return f"figures/{name}.png"
+
+
+# ------------------------------------------------------------------------------------------------- the page
+def render(panels: dict) -> str:
+    rows = claims(panels)
+    lines = [
+        "# Results: which trainer, and what each paper's claim came to here",
+        "",
+        "<!-- Generated by `python benchmarks/results_page.py` from committed `benchmarks/results/*/results.json`; "
+        "do not edit by hand (tests/test_docs.py re-renders it). -->",
+        "",
+        "Measured on the shapes task (docs/shapes.md): a tiny SD3 model trained here draws coloured shapes, a "
+        "detector scores whether an image shows what the prompt says (*strict*: colours, shapes, counts and the "
+        "relation all right). Every run is on CPU, one thread, with the same samples per iteration (8 prompts x 16 "
+        "images); evaluations use noise never used in training. Mean +- std over seeds.",
+        "",
+        f"One rule for every difference: two methods are compared at the same samples and optimizer steps per "
+        f"iteration, or the row says which side gets more. A difference is called one when Welch's t over seeds "
+        f"reaches {T_DIFF} (about p = 0.05 at 3 seeds a side); otherwise it is *within the noise*. A claim not yet "
+        f"measured in the paper's form says so.",
+        "",
+        "## Which trainer when",
+        "",
+        "- **Flow-GRPO** (`FlowGRPOTrainer`): the baseline; it improves the base on every tier here.",
+        "- **Flow-DPPO** (`FlowDPPOTrainer`): when you reuse each rollout for several updates; read its rows below "
+        "for what survives at matched updates.",
+        "- **Stepwise-Flow-GRPO** (`StepwiseFlowGRPOTrainer`): per-step credit; its cost is T' extra transformer "
+        "calls per state, see the CPU-to-target rows.",
+        "- **OP-GRPO** (`OPGRPOTrainer`): replays good trajectories; measured in its described form by issue 38.",
+        "",
+        "## Claims, per method",
+        "",
+        "| method | claim | paper | ours (mean +- std over seeds; t: Welch's, or one-sample against the base) "
+        "| verdict |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [f"| {' | '.join(r)} |" for r in rows]
+    lines += ["", "Target (steps / CPU / KL at target): the base plus 0.8 x Flow-GRPO's mean final gain on that tier; "
+              "a seed's value is taken at its first evaluation reaching it.", ""]
+    for name, p in panels.items():
+        if p is None or not p["methods"]:
+            continue
+        lines += [f"## {PANELS[name]['title']}", "", f"![{name}]({figure(name, p)})", "",
+                  "| run | seeds | final | KL to base | iterations to target | CPU-s per iteration |",
+                  "|---|---|---|---|---|---|"]
+        for label, m in p["methods"].items():
+            steps = [s for s in m["steps_to_target"] if s is not None]
+            reached = f"{fmt(ms(steps), 0)} ({len(steps)} of {len(m['seeds'])})" if steps else "not reached"
+            lines.append(f"| {PANELS[name]['methods'][label]} | {len(m['seeds'])} | {fmt(ms(m['final']))} | "
+                         f"{fmt(ms(m['kl']), 4)} | {reached} | {fmt(ms(m['cpu_per_iter']), 1)} |")
+        lines += ["", f"Base: {p['base']:.3f}; folder `benchmarks/results/{PANELS[name]['folder']}/`.", ""]
+    lines += ["## Before / after", "",
+              "The main job (`python examples/quickstart.py`): one row per trained prompt, before training and after, "
+              "same noise.", "", "![before / after](../benchmarks/results/quickstart/before_after.png)", "",
+              "The history of every run, sweep and ablation is the lab notebook, [benchmarks.md](benchmarks.md).", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="exit 1 if docs/results.md is not what the results give")
+    args = ap.parse_args(argv)
+    panels = {name: load_panel(name) for name in PANELS}
+    if args.check:
+        import tempfile
+
+        global FIGURES
+        FIGURES = tempfile.mkdtemp()  # the check never rewrites the committed figures
+        with open(PAGE) as f:
+            same = f.read() == render(panels)
+        print("docs/results.md is up to date" if same else "docs/results.md differs: run benchmarks/results_page.py")
+        return 0 if same else 1
+    page = render(panels)
+    with open(PAGE, "w") as f:
+        f.write(page)
+    print(f"wrote {os.path.relpath(PAGE, ROOT)} ({len(page.splitlines())} lines) and its figures")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
