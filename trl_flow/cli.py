@@ -50,6 +50,26 @@ class _Parser:
     def error(self, message):
         raise CLIError(message)
 
+    def set_defaults_with_config(self, **config):
+        """A recipe's value for a list field may be one value (``reward_funcs: shapes_partial``, ``reward_weights:
+        2.0``): it is a one-item list, never iterated letter by letter; every item gets the field's type, as on the
+        command line."""
+        actions = {a.dest: a for a in self._actions}
+        for key, value in config.items():
+            action = actions.get(key)
+            if action is None or action.nargs not in ("+", "*") or value is None:
+                continue
+            items = list(value) if isinstance(value, (list, tuple)) else [value]
+            for item in items:
+                if isinstance(item, (list, dict)):
+                    raise CLIError(f"--config {getattr(self, 'recipe', '')}: {key}: expected a value or a list of "
+                                   f"values, got {item!r:.60}")
+            try:
+                config[key] = [self._get_value(action, str(item)) for item in items]
+            except argparse.ArgumentError as e:
+                raise CLIError(f"--config {getattr(self, 'recipe', '')}: {key}: {e.message}") from None
+        return super().set_defaults_with_config(**config)
+
 
 @dataclass
 class ScriptArguments:
@@ -184,12 +204,13 @@ def parse_args(command: str, argv: list[str]):
     the leftover options, allowed only with ``--accelerate_config`` and only if ``accelerate launch`` knows them.
     """
     argv = list(argv)
+    parser = make_parser(command)
     if "--config" in argv:
         i = argv.index("--config")
         if i + 1 >= len(argv):
             raise CLIError("--config: expected a YAML file or a recipe name after it")
-        argv[i + 1] = _resolve_yaml(argv[i + 1], "recipes", "--config")
-    parser = make_parser(command)
+        argv[i + 1] = parser.recipe = _resolve_yaml(argv[i + 1], "recipes", "--config")
+        _check_recipe(parser.recipe)
     try:
         script_args, config, config_rest, cli_rest = parser.parse_args_and_config(
             argv, return_remaining_strings=True, separate_remaining_strings=True)
@@ -218,6 +239,32 @@ def parse_args(command: str, argv: list[str]):
             raise CLIError(f"unrecognized arguments: {' '.join(bad)}{_did_you_mean(bad, flags)} (neither a field of "
                            f"{type(config).__name__}, a script argument nor an `accelerate launch` option)")
     return script_args, config, cli_rest
+
+
+def _check_recipe(path: str) -> None:
+    """A recipe must be UTF-8 YAML holding a mapping; else a one-line error naming the file, line and column."""
+    import yaml
+
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise CLIError(f"--config {path}: line {line} is not UTF-8; save the file as UTF-8") from None
+    try:
+        config = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark, context = getattr(e, "problem_mark", None), getattr(e, "context_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        if context is not None and getattr(e, "context", None):
+            what += f" ({e.context} at line {context.line + 1}, column {context.column + 1})"
+        raise CLIError(f"--config {path}: YAML syntax error{where}: {what}; write one `field: value` per line, "
+                       "lists as [a, b]") from None
+    if not isinstance(config, dict):
+        raise CLIError(f"--config {path}: expected a YAML mapping of `field: value` lines, got "
+                       f"{type(config).__name__}")
 
 
 # ---------------------------------------------------------------------------------------------- building

@@ -26,7 +26,7 @@ def check_prompt_dataset(dataset, name: str = "train_dataset"):
                             f"({type(dataset[bad]).__name__})")
         dataset = Dataset.from_dict({"prompt": list(dataset)})
     elif isinstance(dataset, dict):
-        dataset = Dataset.from_dict(dataset)
+        dataset = _from_columns(dataset, name)
     if not isinstance(dataset, Dataset):
         raise TypeError(f"{name}: expected a datasets.Dataset with a `prompt` column, a list of prompts or a dict of "
                         f"columns, got {type(dataset).__name__}")
@@ -68,20 +68,21 @@ def load_prompts(source: str, split: str = "train", name: str | None = None):
     """Prompts as a ``datasets.Dataset`` with a ``prompt`` column, from:
 
     - ``shapes``: the shapes task's prompts, ``split`` ``train`` or ``test``;
-    - a ``.txt`` file: one prompt per non-empty line, stripped (e.g. Flow-GRPO's OCR prompts), read with
-      ``datasets.load_dataset("text")``;
-    - a ``.jsonl`` file: one JSON object per line with a ``prompt`` key; every other key becomes a column, nested
-      values (lists, dicts) JSON-encoded as strings so that heterogeneous metadata (GenEval's ``include``) loads
-      as written (``load_dataset("json")`` would merge the nested records into one schema, adding ``None`` keys);
+    - a ``.txt`` file: one prompt per non-empty line, stripped (e.g. Flow-GRPO's OCR prompts);
+    - a ``.jsonl`` file: one JSON object per line with a string ``prompt``; every other key becomes a column
+      (a missing key is ``None``). A key holding only lists / dicts (GenEval's ``include``) becomes a column of
+      their JSON text, ``json.loads`` of a value gives back what was written (``load_dataset("json")`` would merge
+      the nested records into one schema, adding ``None`` keys); other keys keep their type;
     - a folder written by ``save_to_disk``: a ``Dataset``, or the ``split`` of a ``DatasetDict``;
     - anything else: ``datasets.load_dataset(source, name, split=split)`` (a Hub dataset or a local folder).
 
     A file has no splits: ``split`` applies to ``shapes``, saved ``DatasetDict`` folders and Hub datasets only.
+    Files are read as UTF-8 (a leading BOM is dropped). Bad content (not UTF-8, invalid JSON, a non-string or empty
+    prompt, a key with values of several types) raises a one-line ``ValueError`` naming the file, line and key.
     """
-    import json
     import os
 
-    from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
+    from datasets import DatasetDict, load_dataset, load_from_disk
 
     if source == "shapes" and not os.path.exists(source):
         from .tasks import shapes
@@ -90,25 +91,9 @@ def load_prompts(source: str, split: str = "train", name: str | None = None):
             raise ValueError(f"shapes: split must be `train` or `test`, got {split!r}")
         return shapes.train_prompts() if split == "train" else shapes.test_prompts()
     if source.endswith(".txt"):
-        ds = load_dataset("text", data_files=source, split="train")
-        ds = ds.map(lambda row: {"prompt": row["text"].strip()}, remove_columns=["text"])
-        return check_prompt_dataset(ds.filter(lambda row: bool(row["prompt"])), source)
+        return check_prompt_dataset([text.strip() for _, text in _read_lines(source) if text.strip()], source)
     if source.endswith(".jsonl"):
-        rows = []
-        with open(source, encoding="utf-8") as f:
-            for i, line in enumerate(f):
-                if line.strip():
-                    row = json.loads(line)
-                    if "prompt" not in row:
-                        raise ValueError(f"{source}: line {i + 1} has no `prompt` key")
-                    rows.append(row)
-        keys = sorted({k for r in rows for k in r}, key=lambda k: (k != "prompt", k))
-        cols = {}
-        for k in keys:
-            vals = [r.get(k) for r in rows]
-            nested = any(isinstance(v, (list, dict)) for v in vals)
-            cols[k] = [json.dumps(v) if nested else v for v in vals]
-        return check_prompt_dataset(Dataset.from_dict(cols), source)
+        return check_prompt_dataset(_read_jsonl(source), source)
     if os.path.isdir(source) and (os.path.exists(os.path.join(source, "dataset_info.json"))
                                   or os.path.exists(os.path.join(source, "dataset_dict.json"))):
         ds = load_from_disk(source)
@@ -118,3 +103,106 @@ def load_prompts(source: str, split: str = "train", name: str | None = None):
             ds = ds[split]
         return check_prompt_dataset(ds, f"{source}[{split}]")
     return check_prompt_dataset(load_dataset(source, name, split=split), f"{source}[{split}]")
+
+
+# ------------------------------------------------------------------------------------------------ prompt files
+def _read_lines(source: str):
+    """``(line number, text)`` of a UTF-8 file (a leading BOM dropped; lines split on ``\\n``, as editors number
+    them). A line that is not UTF-8 raises a ``ValueError`` naming it."""
+    import codecs
+
+    try:
+        with open(source, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{source}: no such file") from None
+    if data.startswith(codecs.BOM_UTF8):
+        data = data[len(codecs.BOM_UTF8):]
+    for n, raw in enumerate(data.split(b"\n"), 1):
+        try:
+            yield n, raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{source}: line {n} is not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                             "save the file as UTF-8, e.g. `iconv -f latin1 -t utf-8 OLD > NEW`") from None
+
+
+_KINDS = {str: "a string", bool: "a boolean", int: "a number", float: "a number", list: "a list", dict: "an object"}
+
+
+def _kind(value) -> str:
+    return _KINDS.get(type(value), type(value).__name__)
+
+
+def _read_jsonl(source: str) -> dict:
+    """The columns of a ``.jsonl`` prompt file (see :func:`load_prompts`), every line checked: valid JSON, an
+    object, a non-empty string ``prompt``, and each key of one kind (string, number, boolean, or lists/objects)."""
+    import json
+
+    rows, lines = [], []
+    for n, text in _read_lines(source):
+        if not text.strip():
+            continue
+        try:
+            row = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{source}: line {n}, column {e.colno}: invalid JSON ({e.msg}); each line must be one "
+                             'JSON object, e.g. {"prompt": "a cat"}') from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{source}: line {n} is {_kind(row)}, not a JSON object; each line must be one JSON "
+                             'object, e.g. {"prompt": "a cat"}')
+        if "prompt" not in row:
+            raise ValueError(f"{source}: line {n} has no `prompt` key (keys: {sorted(row)})")
+        prompt = row["prompt"]
+        if not isinstance(prompt, str):
+            raise ValueError(f"{source}: line {n}: `prompt` is {_kind(prompt)} ({json.dumps(prompt)[:80]}); each "
+                             'prompt must be one string, e.g. "prompt": "a cat" (other information goes in other keys)')
+        if not prompt.strip():
+            raise ValueError(f"{source}: line {n}: `prompt` is empty; drop the line or write the prompt")
+        rows.append(row)
+        lines.append(n)
+    if not rows:
+        raise ValueError(f"{source}: no prompts (the file holds no JSON object)")
+    keys = sorted({k for r in rows for k in r}, key=lambda k: (k != "prompt", k))
+    cols = {}
+    for k in keys:
+        vals = [r.get(k) for r in rows]
+        first = {}  # kind -> line of its first value
+        for n, v in zip(lines, vals):
+            if v is not None:
+                first.setdefault("nested" if isinstance(v, (list, dict)) else _kind(v), (n, v))
+        if len(first) > 1:
+            (n1, v1), (n2, v2) = list(first.values())[:2]
+            raise ValueError(f"{source}: key `{k}` mixes types: line {n1} has {_kind(v1)} ({json.dumps(v1)[:40]}), "
+                             f"line {n2} has {_kind(v2)} ({json.dumps(v2)[:40]}); give `{k}` one type on every line "
+                             "(e.g. all strings)")
+        if "nested" in first:
+            vals = [None if v is None else json.dumps(v) for v in vals]
+        cols[k] = vals
+    return cols
+
+
+def _from_columns(columns: dict, name: str):
+    """``Dataset.from_dict`` of a dict of columns, with errors naming the column (Arrow's name none)."""
+    import pyarrow as pa
+    from datasets import Dataset
+
+    for k, v in columns.items():
+        if isinstance(v, (str, bytes)) or not hasattr(v, "__len__"):
+            raise TypeError(f"{name}: column `{k}` must be a list of values, got {type(v).__name__} {v!r:.60}; "
+                            f"e.g. {{{k!r}: [{v!r:.40}]}}")
+    prompts = columns.get("prompt")
+    if prompts is not None:
+        bad = next((i for i, p in enumerate(prompts) if not isinstance(p, str)), None)
+        if bad is not None:
+            raise ValueError(f"{name}: `prompt` must hold strings; row {bad} is {prompts[bad]!r} "
+                             f"({type(prompts[bad]).__name__})")
+    try:
+        return Dataset.from_dict(columns)
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+        for k, v in columns.items():
+            try:
+                Dataset.from_dict({k: v})
+            except (pa.ArrowInvalid, pa.ArrowTypeError) as col_error:
+                raise ValueError(f"{name}: column `{k}` mixes value types ({col_error}); give it one type in every "
+                                 "row") from None
+        raise ValueError(f"{name}: {e}") from None

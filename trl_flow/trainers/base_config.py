@@ -17,6 +17,7 @@ from ..trust_region import DEFAULT_KL_MASK_DELTA, KL_MASK_MODES, TRUST_REGIONS
 
 
 GUIDANCE_GRADS = ("cond_only", "both")
+MAX_SEED = 2**32 - 1
 
 #: `transformers.get_scheduler` names usable here (stepped once per optimizer step, no extra arguments).
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial",
@@ -28,7 +29,7 @@ class FlowRLConfig:
     # ---- run ---------------------------------------------------------------------------------------------------
     output_dir: str = field(default="trl_flow_output", metadata={"help": "Where checkpoints, samples and the final LoRA are written."})
     run_name: str | None = field(default=None, metadata={"help": "Name of the run for the trackers (default: the trainer's method name)."})
-    seed: int = field(default=42, metadata={"help": "Seed of every random draw (prompt order, noise, SDE noise, shuffles). Each iteration derives its own generators from (seed, step), so a resumed run repeats an uninterrupted one exactly."})
+    seed: int = field(default=42, metadata={"help": "Seed of every random draw (prompt order, noise, SDE noise, shuffles). Each iteration derives its own generators from (seed, step), so a resumed run repeats an uninterrupted one exactly. An integer in [0, 2**32 - 1]."})
     max_steps: int = field(default=100, metadata={"help": "Number of training iterations. One iteration samples `prompts_per_step * num_generations` trajectories, scores them and runs `num_inner_epochs` passes of updates over them."})
     # ---- batch ---------------------------------------------------------------------------------------------------
     num_generations: int = field(default=8, metadata={"help": "Group size G: trajectories sampled per prompt (published: 24)."})
@@ -66,7 +67,7 @@ class FlowRLConfig:
     height: int = field(default=512, metadata={"help": "Image height in pixels."})
     width: int = field(default=512, metadata={"help": "Image width in pixels."})
     num_frames: int = field(default=33, metadata={"help": "Frames per video for video pipelines (Wan: 4k + 1; published Wan2.1 recipe: 33 at 240x416). Image pipelines ignore it."})
-    max_sequence_length: int = field(default=256, metadata={"help": "T5 prompt length (pipelines without T5 ignore it)."})
+    max_sequence_length: int = field(default=256, metadata={"help": "T5 prompt length, >= 1 (pipelines without T5 ignore it)."})
     same_noise_per_group: bool = field(default=False, metadata={"help": "Give all trajectories of a group the same initial noise."})
     sde_window_size: int = field(default=0, metadata={"help": "Flow-GRPO-Fast / MixGRPO window: if > 0, only this many consecutive steps are stochastic (start drawn in [0, sde_window_range)), ODE elsewhere, and only they are trained. 0: every step but the last."})
     sde_window_range: int | None = field(default=None, metadata={"help": "Window starts are drawn in [0, sde_window_range); default num_inference_steps // 2."})
@@ -111,11 +112,14 @@ class FlowRLConfig:
         for name in ("max_steps", "num_generations", "prompts_per_step", "per_device_train_batch_size",
                      "gradient_accumulation_steps", "num_inner_epochs", "num_inference_steps",
                      "eval_num_inference_steps", "per_device_eval_batch_size", "height", "width", "num_frames", "lora_r",
-                     "logging_steps"):
+                     "logging_steps", "max_sequence_length"):
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "must be an integer >= 1")
         for name in ("eval_steps", "save_steps", "log_images_steps", "warmup_steps", "sde_window_size"):
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 0, name, "must be an integer >= 0")
         need(self.num_generations >= 2, "num_generations", "must be >= 2: a group of one has no relative advantage")
+        need(isinstance(self.seed, int) and not isinstance(self.seed, bool) and 0 <= self.seed <= MAX_SEED, "seed",
+             f"must be an integer in [0, {MAX_SEED}] (2**32 - 1, numpy's seed range; the torch generators' seeds "
+             "are derived from it)")
         need(self.num_inference_steps >= 2, "num_inference_steps", "must be >= 2 (the last step is never trained)")
         need(self.sampler in SAMPLERS, "sampler", f"must be one of {SAMPLERS}")
         need(self.sampler != "ode", "sampler", "`ode` has no log-prob and cannot be trained; use flow_sde, cps or ddim")
