@@ -15,6 +15,7 @@ from trl_flow import FlowDPPOConfig, FlowDPPOTrainer, FlowGRPOConfig, FlowGRPOTr
 from trl_flow.models import Schedule
 from trl_flow.testing import tiny_sd3_pipeline
 from trl_flow.trainers.base_trainer import StepOutput
+from trl_flow.trainers.flow_dppo_config import PAPER_ABLATION_BETA, RELEASED_CODE
 
 MASK_KEYS = ("mask_frac", "mask_frac_pos_adv", "mask_frac_neg_adv", "kl_old", "kl_old_max", "kl_old_first_max",
              "ratio", "ratio_max", "ratio_min", "ratio_first_max_dev")
@@ -35,24 +36,80 @@ def check_invariants(logs, steps):
         assert "clip_frac" not in e  # no clip in this objective
 
 
+def test_defaults_are_the_released_codes_with_the_papers_forms_as_options():
+    """Pins FlowDPPOConfig's defaults to the values we transcribed from the cited sources (this cannot read UniRL
+    itself; the file:line citations are in docs/methods.md): the released code (UniRL 1a7b501) does one pass
+    (`num_updates_per_batch: 2` = 2 optimizer steps over disjoint halves, stack.py), has no reference-KL term
+    (beta 0) and masks at kl_mask_threshold 1e-5; the paper's ablation beta 1e-3 and two passes are named options.
+    Each help text must name both sources."""
+    c = FlowDPPOConfig()
+    assert (c.num_inner_epochs, c.beta, c.resolved_kl_mask_delta, c.kl_form) == (1, 0.0, 1e-5, "exact")
+    assert PAPER_ABLATION_BETA == 1e-3 and RELEASED_CODE.startswith("Tencent-Hunyuan/UniRL@")
+    fields = FlowDPPOConfig.__dataclass_fields__
+    for name, option in (("num_inner_epochs", "Named option: 2"), ("beta", "Named option: 1e-3")):
+        text = fields[name].metadata["help"]
+        assert "released code (UniRL" in text and option in text and "paper" in text, (name, text)
+    assert "released code" in FlowDPPOConfig.__doc__ and "arXiv 2606.11025" in FlowDPPOConfig.__doc__
+
+
+def test_default_run_uses_each_sample_once_in_the_flow_grpo_schedule(tmp_path, monkeypatch):
+    """The released code's schedule: one pass, optimizer steps over disjoint minibatches, every trajectory used once
+    per trained step, all against one frozen anchor (first ratio exactly 1). With the shared batch settings a
+    default Flow-DPPO iteration takes the same optimizer steps as a default Flow-GRPO one (here 8 trajectories in
+    microbatches of 4: 2 steps, like the code's 2); the 2-pass option doubles them and uses every sample twice."""
+    def run(config_class, trainer_class, name, **kw):
+        config = tiny_config(tmp_path, config_class, max_steps=1, output_dir=str(tmp_path / name), **kw)
+        trainer = trainer_class(config, tiny_sd3_pipeline(), [brightness], train_dataset=list(PROMPTS))
+        seen, steps = [], []
+        forward, opt_step = trainer.forward_step, trainer._optimizer_step
+        monkeypatch.setattr(trainer, "forward_step",
+                            lambda r, idx, k, **a: seen.append((k, tuple(idx.tolist()))) or forward(r, idx, k, **a))
+        monkeypatch.setattr(trainer, "_optimizer_step", lambda: steps.append(len(seen)) or opt_step())
+        trainer.train()
+        return trainer, seen, steps
+
+    dppo, seen, steps = run(FlowDPPOConfig, FlowDPPOTrainer, "dppo")
+    grpo, _, grpo_steps = run(FlowGRPOConfig, FlowGRPOTrainer, "grpo")
+    n = dppo.config.train_batch_size
+    assert dppo.optimizer_steps_per_iteration == grpo.optimizer_steps_per_iteration == len(steps) == len(grpo_steps) == 2
+    for k in {k for k, _ in seen}:  # every trained step sees every trajectory exactly once, in disjoint minibatches
+        used = [i for kk, idx in seen if kk == k for i in idx]
+        assert sorted(used) == list(range(n)), (k, used)
+    assert dppo.state.log_history[-1]["ratio_first_max_dev"] == 0.0
+    two, seen2, steps2 = run(FlowDPPOConfig, FlowDPPOTrainer, "dppo2", num_inner_epochs=2)
+    assert two.optimizer_steps_per_iteration == len(steps2) == 4 and len(seen2) == 2 * len(seen)
+
+
 @pytest.mark.parametrize("sampler", ["flow_sde", "cps"])
 def test_flow_dppo_trains_and_keeps_invariants(tmp_path, sampler):
-    """The preset as released (2 inner epochs, beta 1e-3 on the exact KL to the reference, the default delta)."""
-    # lr 3e-3: one update of the tiny model must leave the default (released-code) region for the mask to act
-    config = tiny_config(tmp_path, FlowDPPOConfig, sampler=sampler, beta=1e-3, learning_rate=3e-3)
-    assert (config.num_inner_epochs, config.kl_form) == (2, "exact")
+    """The preset with its defaults (one pass in 2 optimizer steps, beta 0, the default delta): the second step's
+    minibatch is already off-policy, so the mask acts in one pass."""
+    # lr 1e-2: the one update before the second minibatch must leave the default (released-code) region for the
+    # mask to act (flow_sde at 3e-3 stays below 1e-5)
+    config = tiny_config(tmp_path, FlowDPPOConfig, sampler=sampler, learning_rate=1e-2)
+    assert (config.num_inner_epochs, config.beta) == (1, 0.0)
     delta = config.resolved_kl_mask_delta
     trainer = FlowDPPOTrainer(config, tiny_sd3_pipeline(), [brightness], train_dataset=list(PROMPTS))
     before = lora(trainer)
     trainer.train()
     logs = trainer.state.log_history
     check_invariants(logs, 2)
-    assert all(e["kl"] > 0 for e in logs)  # the beta-KL to the reference (after the first update it is > 0)
-    assert all(e["kl_old_max"] > delta for e in logs)  # the second epoch leaves the region ...
+    assert all(e["kl_old_max"] > delta for e in logs)  # the second minibatch is past the region ...
     assert any(e["mask_frac"] > 0 for e in logs)  # ... and the mask acts
     after = lora(trainer)
     assert any(not torch.equal(before[n], after[n]) for n in before)
     assert all(torch.isfinite(p).all() for p in after.values())
+
+
+def test_flow_dppo_papers_options_train(tmp_path):
+    """The paper's forms as options: two passes and beta 1e-3 on the exact kernel KL to the reference."""
+    config = tiny_config(tmp_path, FlowDPPOConfig, num_inner_epochs=2, beta=PAPER_ABLATION_BETA, learning_rate=3e-3)
+    trainer = FlowDPPOTrainer(config, tiny_sd3_pipeline(), [brightness], train_dataset=list(PROMPTS))
+    trainer.train()
+    logs = trainer.state.log_history
+    check_invariants(logs, 2)
+    assert all(e["kl"] > 0 for e in logs)  # the beta-KL to the reference (after the first update it is > 0)
+    assert all(torch.isfinite(p).all() for p in lora(trainer).values())
 
 
 def test_unmasked_objective_is_the_unclipped_one_and_the_mask_changes_the_update(tmp_path):

@@ -56,7 +56,7 @@ def test_the_shipped_recipes_cover_every_trainer_and_task():
 def test_sd35m_recipes_carry_the_published_settings():
     """METHODS.md: 512 px, 10 rollout / 40 eval steps, cfg 4.5, G 24, lr 3e-4, LoRA 32/64, EMA 0.9, grad clip 1;
     Flow-GRPO clip 1e-4, beta 0.04 (GenEval, OCR) / 0.01 (PickScore); OP-GRPO 25% off-policy; Stepwise ddim;
-    Flow-DPPO beta 1e-3, two inner epochs, no clip."""
+    Flow-DPPO as its released code: beta 0, one pass, no clip, the Flow-GRPO recipes' batch layout (equal steps)."""
     for name in (n for n in RECIPES if n.startswith("sd35m_")):
         r = _raw(name)
         assert r["model_name_or_path"] == "stabilityai/stable-diffusion-3.5-medium" and r["bf16"] is True
@@ -65,7 +65,10 @@ def test_sd35m_recipes_carry_the_published_settings():
         assert (r["lora_r"], r["lora_alpha"], r["ema_decay"], r["max_grad_norm"]) == (32, 64, 0.9, 1.0)
         method, task = name[len("sd35m_"):].rsplit("_", 1)
         if method == "dppo":
-            assert "clip_range" not in r and float(r["beta"]) == 1e-3 and r["num_inner_epochs"] == 2
+            assert "clip_range" not in r and float(r["beta"]) == 0.0 and r["num_inner_epochs"] == 1
+            grpo = _raw(f"sd35m_flow_grpo_{task}")
+            layout = ("prompts_per_step", "per_device_train_batch_size", "gradient_accumulation_steps")
+            assert [r[k] for k in layout] == [grpo[k] for k in layout]
         else:
             assert float(r["clip_range"]) == 1e-4 and r["beta"] == (0.01 if task == "pickscore" else 0.04)
         if method != "stepwise":

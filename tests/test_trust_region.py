@@ -197,7 +197,7 @@ def test_kl_uses_the_full_flow_sde_std():
 # ------------------------------------------------------------------------------------------------ config
 def test_defaults_per_preset_and_kernel():
     c = FlowDPPOConfig()
-    assert (c.trust_region, c.num_inner_epochs, c.beta, c.kl_mask_mode) == ("kl_mask", 2, 1e-3, "asymmetric")
+    assert (c.trust_region, c.num_inner_epochs, c.beta, c.kl_mask_mode) == ("kl_mask", 1, 0.0, "asymmetric")
     assert c.kl_mask_delta is None and c.resolved_kl_mask_delta == DEFAULT_KL_MASK_DELTA  # the released code's
     assert FlowDPPOConfig(sampler="cps").resolved_kl_mask_delta == DEFAULT_KL_MASK_DELTA
     assert FlowDPPOConfig(kl_mask_delta=1e-7).resolved_kl_mask_delta == 1e-7  # the write-up's flow_sde value

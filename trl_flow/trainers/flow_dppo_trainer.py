@@ -34,9 +34,11 @@ class FlowDPPOTrainer(FlowGRPOTrainer):
     - loss ``-mean(M rho A) + beta KL(pi_theta || pi_ref)``, no clip; the ``beta`` term is the shared penalty to the
       reference policy in ``kl_form`` (a different quantity from ``D``).
 
-    Defaults, from the authors' released code: ``num_inner_epochs=2``, ``beta=1e-3`` on the exact kernel KL
-    (``kl_form="exact"``), ``kl_mask_delta=1e-5`` for every kernel (the write-up's 1e-7 ``flow_sde`` / 1e-6 ``cps``
-    are an explicit option).
+    Defaults, from the authors' released code (UniRL, ``examples/diffusion/sd3_flowdppo.yaml``) where it and the
+    paper differ: one pass over each rollout (``num_inner_epochs=1``; the code's ``num_updates_per_batch: 2`` is two
+    optimizer steps over disjoint halves, each sample once, as in its Flow-GRPO recipe; two passes are the option
+    ``num_inner_epochs=2``), ``beta=0`` (the released loss has no reference term; the paper's ablation, 1e-3 on the
+    exact kernel KL, is the option ``beta=1e-3``), ``kl_mask_delta=1e-5`` for every kernel.
     ``kl_mask_mode="symmetric"`` is an ablation. The same trust region is available to every trainer through
     ``trust_region="kl_mask"`` (e.g. ``OPGRPOConfig(trust_region="kl_mask")``); the math is in
     :mod:`trl_flow.trust_region`. Logged: ``mask_frac`` (and ``_pos_adv`` / ``_neg_adv``), ``kl_old`` (mean),
