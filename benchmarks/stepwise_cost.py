@@ -4,6 +4,9 @@ Same prompts, group size, steps, guidance and batch for every method; per iterat
 forward calls and the rows they process (a hook on the transformer; CFG doubles the rows; update calls are
 forward + backward) and times the whole ``training_iteration`` and the intermediate rewards
 (``stepwise/extra_s``). Iterations of the methods are interleaved after one warm-up each; medians are reported.
+The Stepwise rows ``stepwise_t<T'>`` run StepwiseFlowGRPOConfig's default sampler (whatever it is; each row records
+its sampler and T'), at T' = 1 (Tweedie), 2, 3 and 5 (the paper's); ``stepwise_t5_ddim`` is the paper's kernel,
+to compare with ``flow_grpo_ddim``.
 
     python benchmarks/stepwise_cost.py                    # tiny pipeline (2 layers, 32 px), 10 steps, cfg 4.5
     python benchmarks/stepwise_cost.py --pipeline shapes  # the committed shapes base model
@@ -24,7 +27,10 @@ METHODS = {  # name -> (config class, trainer class, overrides)
     "flow_grpo": ("FlowGRPOConfig", "FlowGRPOTrainer", {}),
     "flow_grpo_ddim": ("FlowGRPOConfig", "FlowGRPOTrainer", {"sampler": "ddim"}),
     "stepwise_t5": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {"num_substeps": 5}),
+    "stepwise_t3": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {"num_substeps": 3}),
+    "stepwise_t2": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {"num_substeps": 2}),
     "stepwise_t1": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {"num_substeps": 1}),
+    "stepwise_t5_ddim": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {"num_substeps": 5, "sampler": "ddim"}),
 }
 
 
@@ -59,10 +65,11 @@ def main(argv=None):
                   width=size, max_sequence_length=seq, num_inference_steps=args.steps, guidance_scale=args.guidance,
                   per_device_train_batch_size=n, per_device_eval_batch_size=n, lora_r=8, lora_alpha=16,
                   learning_rate=1e-4, clip_range=1e-2, disable_tqdm=True)
-    trainers, counters = {}, {}
+    trainers, counters, kernels = {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, (cfg_name, tr_name, overrides) in METHODS.items():
             cfg = getattr(trl_flow, cfg_name)(output_dir=os.path.join(tmp, name), **shared, **overrides)
+            kernels[name] = {"sampler": cfg.sampler, "num_substeps": getattr(cfg, "num_substeps", None)}
             pipe = load()
             trainers[name] = getattr(trl_flow, tr_name)(cfg, pipe, [brightness], train_dataset=prompts)
             counters[name] = {"calls": 0, "rows": 0}
@@ -86,17 +93,17 @@ def main(argv=None):
                                           "extra_rows": m.get("stepwise/extra_velocity_evals", 0.0)})
     res = {}
     for name, rows in samples.items():
-        res[name] = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+        res[name] = {**kernels[name], **{k: statistics.median(r[k] for r in rows) for k in rows[0]}}
     base = res["flow_grpo"]
     print(f"{args.pipeline} pipeline, {n} samples, {args.steps} steps, cfg {args.guidance}, medians of "
           f"{args.repeats}\n")
-    print(f"{'method':<16} {'s/iter':>8} {'x FG':>6} {'fwd calls':>9} {'x FG':>6} {'rows':>6} {'x FG':>6} "
+    print(f"{'method':<16} {'sampler':>8} {'s/iter':>8} {'x FG':>6} {'fwd calls':>9} {'x FG':>6} {'rows':>6} {'x FG':>6} "
           f"{'interm. s':>9} {'share':>6}")
     for name, r in res.items():
         r["time_ratio_vs_flow_grpo"] = r["s"] / base["s"]
         r["calls_ratio_vs_flow_grpo"] = r["calls"] / base["calls"]
         r["rows_ratio_vs_flow_grpo"] = r["rows"] / base["rows"]
-        print(f"{name:<16} {r['s']:>8.3f} {r['time_ratio_vs_flow_grpo']:>6.2f} {r['calls']:>9.0f} "
+        print(f"{name:<16} {r['sampler']:>8} {r['s']:>8.3f} {r['time_ratio_vs_flow_grpo']:>6.2f} {r['calls']:>9.0f} "
               f"{r['calls_ratio_vs_flow_grpo']:>6.2f} {r['rows']:>6.0f} {r['rows_ratio_vs_flow_grpo']:>6.2f} "
               f"{r['extra_s']:>9.3f} {r['extra_s'] / r['s']:>6.2f}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
