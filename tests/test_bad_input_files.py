@@ -58,7 +58,7 @@ FILES = [  # (id, file name, content, what the error must say besides the file's
     ("prompt_is_a_list", "p.jsonl", b'{"prompt": "a cat", "n": 1}\n{"prompt": ["a", "dog"], "n": 2}\n{"prompt": "x"}\n',
      r"line 2: `prompt` is a list \(\[\"a\", \"dog\"\]\)"),
     ("prompt_is_an_object", "p.jsonl", b'{"prompt": {"text": "a cat", "tag": "animal"}}\n', r"line 1: `prompt` is an object"),
-    ("prompt_is_null", "p.jsonl", b'{"prompt": "a cat"}\n\n{"prompt": null}\n', r"line 3: `prompt` is NoneType"),
+    ("prompt_is_null", "p.jsonl", b'{"prompt": "a cat"}\n\n{"prompt": null}\n', r"line 3: `prompt` is null \(null\)"),
     ("empty_prompt", "p.jsonl", b'{"prompt": "a cat"}\n{"prompt": "  "}\n', r"line 2: `prompt` is empty"),
     ("not_an_object", "p.jsonl", b'{"prompt": "a cat"}\n["a dog"]\n', r"line 2 is a list, not a JSON object"),
     ("no_prompt_key", "p.jsonl", b'{"prompt": "a cat"}\n{"text": "a dog"}\n', r"line 2 has no `prompt` key"),

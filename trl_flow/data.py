@@ -126,7 +126,8 @@ def _read_lines(source: str):
                              "save the file as UTF-8, e.g. `iconv -f latin1 -t utf-8 OLD > NEW`") from None
 
 
-_KINDS = {str: "a string", bool: "a boolean", int: "a number", float: "a number", list: "a list", dict: "an object"}
+_KINDS = {str: "a string", bool: "a boolean", int: "a number", float: "a number", list: "a list", dict: "an object",
+          type(None): "null"}
 
 
 def _kind(value) -> str:
