@@ -3,6 +3,7 @@
 import json
 import math
 import time
+import warnings
 from unittest import mock
 
 import datasets
@@ -204,13 +205,13 @@ def test_priority_sampling_takes_highest():
 
 # ---------------------------------------------------------------------------------------------- persistence
 def _assert_same(b1, b2):
-    assert b1.prompts == b2.prompts
-    assert (b1.capacity, b1.decay, b1.sampling) == (b2.capacity, b2.decay, b2.sampling)
+    assert b1.prompts == b2.prompts and len(b1) == len(b2)
+    assert (b1.capacity, b1.decay, b1.sampling, b1.per_prompt) == (b2.capacity, b2.decay, b2.sampling, b2.per_prompt)
     assert (b1._n, b1._mean, b1._m2) == (b2._n, b2._mean, b2._m2)
     assert b1.reward_scale == b2.reward_scale and b1.states_shape == b2.states_shape
     assert b1.counters == b2.counters
-    for p in b1.prompts:
-        e1, e2 = b1.get(p), b2.get(p)
+    for e1, e2 in zip(b1, b2):  # every entry, in order
+        assert e1.prompt == e2.prompt
         for f in ("states", "log_probs", "sigmas"):
             t1, t2 = getattr(e1, f), getattr(e2, f)
             assert t2.dtype == torch.float32 and torch.equal(t1, t2), f
@@ -291,6 +292,8 @@ def test_from_dataset_without_metadata_and_capacity_override():
         ({"decay": -0.1}, "decay"),
         ({"decay": float("nan")}, "decay"),
         ({"sampling": "softmax"}, "sampling"),
+        ({"per_prompt": 0}, "per_prompt"),
+        ({"per_prompt": 1.5}, "per_prompt"),
     ],
 )
 def test_bad_constructor_args(kwargs, name):
@@ -308,3 +311,108 @@ def test_push_to_hub_calls_datasets_with_repo_id():
     ds_arg, repo = push.call_args.args
     assert repo == "user/op-grpo-buffer" and push.call_args.kwargs == {"private": True}
     assert isinstance(ds_arg, datasets.Dataset) and len(ds_arg) == 3
+
+
+# ------------------------------------------------------------------------- several entries per prompt (issue 38)
+def test_per_prompt_keeps_the_best_distinct_trajectories_of_a_prompt():
+    buf = ReplayBuffer(capacity=8, decay=0.0, per_prompt=3)
+    for seed, reward in enumerate([1.0, 3.0, 2.0]):
+        assert buf.offer(make_entry("a", reward, seed=seed), now=0)
+    assert len(buf) == 3 and buf.prompts == ["a"] and sorted(e.reward for e in buf.entries_of("a")) == [1.0, 2.0, 3.0]
+    assert buf.get("a").reward == 3.0  # the best of the prompt's entries
+    # the prompt is full: a better one replaces its lowest, a worse one is rejected, a tie goes to the newer one
+    assert buf.offer(make_entry("a", 1.5, seed=10), now=0)
+    assert sorted(e.reward for e in buf.entries_of("a")) == [1.5, 2.0, 3.0]
+    assert not buf.offer(make_entry("a", 1.0, seed=11), now=0)
+    assert buf.offer(make_entry("a", 1.5, seed=12), now=0)
+    assert {e.columns["idx"] for e in buf.entries_of("a")} == {12, 1, 2}
+    # capacity counts entries: prompts with free slots compete on the global lowest priority
+    for i in range(5):
+        assert buf.offer(make_entry(f"b{i}", 5.0 + i, seed=20 + i), now=0)
+    assert len(buf) == 8
+    assert buf.offer(make_entry("c", 4.0, seed=30), now=0)  # evicts the global lowest (a's 1.5)
+    assert len(buf) == 8 and sorted(e.reward for e in buf.entries_of("a")) == [2.0, 3.0]
+    assert not buf.offer(make_entry("d", 0.5, seed=31), now=0)
+
+
+def test_no_duplicate_trajectories():
+    buf = ReplayBuffer(capacity=8, per_prompt=3)
+    e = make_entry("a", 1.0, seed=1)
+    assert buf.offer(e, now=0)
+    # the same trajectory again (even with another reward or step) is refused: a prompt's entries are distinct
+    again = make_entry("a", 9.0, step=1, seed=1)
+    assert not buf.offer(again, now=1)
+    assert len(buf) == 1 and buf.counters["rejected_duplicate"] == 1 and buf.counters["offered"] == 1
+    # the same states under another prompt are another entry
+    assert buf.offer(make_entry("b", 1.0, seed=1), now=1) and len(buf) == 2
+    # a dataset holding one trajectory twice is refused on load
+    ds = buf.to_dataset()
+    rows = ds.to_dict()
+    dup = datasets.Dataset.from_dict({k: v + v[:1] for k, v in rows.items()}, features=ds.features, info=ds.info)
+    with pytest.raises(ValueError, match="repeats a stored trajectory"):
+        ReplayBuffer.from_dataset(dup)
+
+
+def test_sample_groups_distinct_prompts_and_entries():
+    buf = ReplayBuffer(capacity=64, per_prompt=4)
+    for p in range(6):
+        for j in range(4 if p < 4 else 1):
+            buf.offer(make_entry(f"p{p}", float(j), step=0, seed=10 * p + j), now=0)
+    got = buf.sample_groups([3, 3, 2], now=0, generator=torch.Generator().manual_seed(0))
+    assert len(got) == 3 and len({g[0].prompt for g in got}) == 3
+    for g, k in zip(got, [3, 3, 2]):  # k distinct entries of one prompt, or all it has when it has fewer
+        assert len({e.prompt for e in g}) == 1 and len({id(e) for e in g}) == len(g)
+        assert len(g) == min(k, len(buf.entries_of(g[0].prompt)))
+    flat = [id(e) for g in got for e in g]
+    assert len(flat) == len(set(flat))  # never the same entry twice
+    again = buf.sample_groups([3, 3, 2], now=0, generator=torch.Generator().manual_seed(0))
+    assert [[id(e) for e in g] for g in again] == [[id(e) for e in g] for g in got]  # deterministic
+    # a prompt with 4 entries asked for 3 draws among them; one with 1 entry serves 1
+    assert buf.sample_groups([3], now=0, exclude={f"p{i}" for i in range(5)})[0] == buf.entries_of("p5")
+    prio = ReplayBuffer(capacity=64, per_prompt=4, sampling="priority", decay=0.0)
+    for e in buf:
+        prio.offer(e, now=0)
+    top = prio.sample_groups([2], now=0, exclude={"p4", "p5"})[0]
+    assert sorted(e.reward for e in top) == [2.0, 3.0]
+    # sample(n) is one entry of n distinct prompts
+    assert len({e.prompt for e in buf.sample(6, now=0)}) == 6
+
+
+def test_per_prompt_round_trip(tmp_path):
+    buf = ReplayBuffer(capacity=16, decay=0.1, per_prompt=3)
+    for p in range(3):
+        for j in range(3):
+            buf.offer(make_entry(f"p{p}", float(p + j), step=j, seed=10 * p + j), now=2)
+    buf.save_to_disk(tmp_path / "rb")
+    re = ReplayBuffer.load_from_disk(tmp_path / "rb")
+    assert re.per_prompt == 3 and len(re) == 9
+    _assert_same(buf, re)
+    with pytest.raises(ValueError, match="per_prompt"):  # more rows of a prompt than asked for: refused, not cut
+        ReplayBuffer.load_from_disk(tmp_path / "rb", per_prompt=2)
+
+
+def _as_format_1(path):
+    """Rewrite a saved one-entry-per-prompt buffer's metadata as trl_flow wrote it before issue 38."""
+    info_file = path / "dataset_info.json"
+    info = json.loads(info_file.read_text())
+    meta = json.loads(info["description"])
+    meta["version"] = 1
+    meta.pop("per_prompt")
+    meta["counters"].pop("rejected_duplicate")
+    info["description"] = json.dumps(meta)
+    info_file.write_text(json.dumps(info))
+
+
+def test_format_1_buffer_loads_as_one_per_prompt_or_converts_explicitly(tmp_path):
+    buf = _filled(5)
+    buf.save_to_disk(tmp_path / "old")
+    _as_format_1(tmp_path / "old")
+    assert "per_prompt" not in json.loads(datasets.load_from_disk(str(tmp_path / "old")).info.description)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # same meaning: no conversion, no warning
+        old = ReplayBuffer.load_from_disk(tmp_path / "old")
+    assert old.per_prompt == 1 and old.prompts == buf.prompts
+    with pytest.warns(UserWarning, match="converting a format-1 replay buffer .* per_prompt=4"):
+        conv = ReplayBuffer.load_from_disk(tmp_path / "old", per_prompt=4)
+    assert conv.per_prompt == 4 and [e.reward for e in conv] == [e.reward for e in buf]
+    assert conv.offer(make_entry("p00", -100.0, step=30, seed=99), now=30) and len(conv.entries_of("p00")) == 2

@@ -1,7 +1,7 @@
 """High-quality replay buffer for OP-GRPO (arXiv 2604.04142), persisted with `datasets`.
 
-From every group of G trajectories sampled for one prompt, the trainer offers the highest-reward trajectory
-(`ReplayEntry`) to the buffer. The buffer keeps what is needed to re-train that trajectory off-policy: the states
+From every group of G trajectories sampled for one prompt, the trainer offers its highest-reward trajectories
+(`ReplayEntry`; one under ``replay_unit="group"``, the best ``per_prompt`` under ``"sample"``) to the buffer. The buffer keeps what is needed to re-train that trajectory off-policy: the states
 `x_0 .. x_{k_off}`, the behaviour log-probs of steps `0 .. k_off-1`, the sigma of every stored state, the reward,
 the prompt (plus its other dataset columns) and the iteration that produced it.
 
@@ -29,38 +29,48 @@ offer(entry, now)
     2. Update the reward statistics with the candidate's reward, then compare priorities at ``now`` (so both
        sides of a comparison use the same scale):
 
-       * prompt already stored -> replace iff ``priority(new) >= priority(stored)`` (ties go to the newer one);
-       * new prompt, buffer not full -> insert;
-       * new prompt, buffer full -> evict the lowest-priority entry iff ``priority(new)`` is STRICTLY higher,
+       * the same trajectory (equal states and log-probs) already stored for the prompt -> reject (no duplicates);
+       * prompt already holds ``per_prompt`` entries -> replace its lowest-priority one iff
+         ``priority(new) >= priority(lowest)`` (ties go to the newer one);
+       * otherwise, buffer not full -> insert;
+       * otherwise, buffer full -> evict the lowest-priority entry iff ``priority(new)`` is STRICTLY higher,
          else reject (ties among the lowest are broken by evicting the oldest, then by prompt).
 
-    At most one entry per prompt. All entries of one buffer share the same ``states`` shape (fixed by the first
-    stored entry and persisted); a mismatch raises ``ValueError``.
+    At most ``per_prompt`` distinct entries per prompt (default 1: the one-entry-per-prompt buffer). All entries of
+    one buffer share the same ``states`` shape (fixed by the first stored entry and persisted); a mismatch raises
+    ``ValueError``.
 
-sample(n, now, generator, exclude)
-    ``"uniform"`` (default): ``n`` distinct entries drawn uniformly with ``torch.randperm`` on the given CPU
-    generator, over the non-excluded entries sorted by prompt (so the draw is deterministic given the generator
-    and the buffer's contents, independently of insertion order or a save/load round trip).
-    ``"priority"``: the ``n`` highest-priority entries (ties: newer first, then by prompt).
-    Returns fewer than ``n`` entries when fewer are available. The returned entries are the stored objects
+sample_groups(sizes, now, generator, exclude)
+    ``len(sizes)`` distinct prompts (not in ``exclude``), and for the j-th up to ``sizes[j]`` distinct entries of
+    that prompt. ``"uniform"`` (default): the prompts are drawn uniformly with ``torch.randperm`` on the given CPU
+    generator over the non-excluded prompts sorted by name (so the draw is deterministic given the generator and
+    the buffer's contents, independently of insertion order or a save/load round trip), then, where a prompt holds
+    more entries than asked, its entries likewise (no draw when it holds at most that many).
+    ``"priority"``: the prompts whose best entry has the highest priority, and their highest-priority entries
+    (ties: newer first, then by prompt). Returns fewer prompts or entries when fewer are available.
+    ``sample(n, ...)`` is ``sample_groups([1] * n, ...)`` flattened. The returned entries are the stored objects
     (CPU tensors): do not modify them in place.
 
 Defaults
-    * ``capacity=512``: a few iterations' worth of distinct prompts at typical batch sizes (tens of prompts
-      per iteration), so with ~25% off-policy prompts per batch the buffer is neither exhausted nor stale.
+    * ``capacity=512`` entries: a few iterations' worth of trajectories at typical batch sizes, so with ~25%
+      off-policy samples per batch the buffer is neither exhausted nor stale.
       Memory is ``capacity * (k_off + 1) * latent_numel * 4`` bytes (in CPU RAM).
     * ``decay=0.05``: one reward-std of priority lost per 20 iterations; keeps the buffer near the current
       policy without discarding a clearly better old trajectory after a few iterations.
     * ``sampling="uniform"``: unbiased over the (already high-quality) stored entries; ``"priority"`` is the
       greedy alternative.
+    * ``per_prompt=1``: the one-entry-per-prompt buffer; OP-GRPO's trainer passes ``num_generations // 2`` under
+      ``replay_unit="sample"`` (docs/op_grpo.md).
 
 Persistence
     `to_dataset` builds a `datasets.Dataset` with explicit features: ``prompt`` and ``columns`` (JSON-encoded)
     as ``Value("string")``, ``states`` as ``Array2D..Array5D`` by ndim (a flat ``List(Value("float32"))`` for
     other ndims, the shape being kept in the metadata), ``log_probs``/``sigmas`` as fixed-length
     ``List(Value("float32"))``, ``reward`` as ``Value("float64")`` and ``step`` as ``Value("int64")``.
-    Reload is bit-exact. The buffer's own config (capacity, decay, sampling, reward statistics, states shape,
-    counters) is stored as JSON in ``info.description``; `save_to_disk`/`load_from_disk` keep it. The Hub drops
+    Reload is bit-exact. The buffer's own config (capacity, decay, sampling, per_prompt, reward statistics, states
+    shape, counters) is stored as JSON in ``info.description`` (format version 2; version 1, written before
+    ``per_prompt`` existed, is a one-entry-per-prompt buffer: it loads as ``per_prompt=1``, or, when a larger
+    ``per_prompt`` is passed, is converted explicitly with a warning); `save_to_disk`/`load_from_disk` keep it. The Hub drops
     ``info.description``: `from_dataset` of a dataset without that metadata takes the config from its keyword
     arguments and seeds the reward statistics from the stored rewards (with a warning).
 """
@@ -79,9 +89,9 @@ import torch
 __all__ = ["ReplayEntry", "ReplayBuffer"]
 
 _FORMAT = "trl_flow.ReplayBuffer"
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2  # 2: several entries per prompt (per_prompt); 1: one entry per prompt
 _SAMPLING = ("uniform", "priority")
-_COUNTERS = ("offered", "inserted", "replaced", "evicted", "rejected", "rejected_nonfinite")
+_COUNTERS = ("offered", "inserted", "replaced", "evicted", "rejected", "rejected_nonfinite", "rejected_duplicate")
 _LOAD_CHUNK = 64  # rows converted to tensors at a time on load (bounds peak memory for large latents)
 
 
@@ -90,7 +100,7 @@ class ReplayEntry:
     """One buffered trajectory prefix.
 
     Attributes:
-        prompt: the prompt (the buffer's key: one entry per prompt).
+        prompt: the prompt (the buffer's key: at most ``per_prompt`` distinct entries per prompt).
         columns: the prompt's other dataset columns; values must be JSON-serialisable (stored JSON-normalised,
             e.g. tuples become lists).
         states: ``(k_off + 1, *latent_shape)`` float32, the states ``x_0 .. x_{k_off}``.
@@ -123,6 +133,12 @@ def _states_feature(shape: tuple[int, ...] | None):
     return datasets.List(datasets.Value("float32"))  # flat; the shape lives in the metadata
 
 
+def _same_trajectory(a: ReplayEntry, b: ReplayEntry) -> bool:
+    """Whether two entries store the same trajectory (same prompt, states and behaviour log-probs)."""
+    return (a.prompt == b.prompt and a.states.shape == b.states.shape and torch.equal(a.states, b.states)
+            and torch.equal(a.log_probs, b.log_probs))
+
+
 def _as_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"`{name}` must be an int, got {type(value).__name__}")
@@ -130,15 +146,17 @@ def _as_int(name: str, value: Any) -> int:
 
 
 class ReplayBuffer:
-    """Bounded, one-entry-per-prompt, age-decayed replay buffer (rules in the module docstring).
+    """Bounded, age-decayed replay buffer of at most ``per_prompt`` distinct entries per prompt (rules in the
+    module docstring).
 
     Args:
-        capacity: maximum number of entries (distinct prompts), > 0.
+        capacity: maximum number of entries, > 0.
         decay: priority lost per iteration of age, in units of the running reward std, >= 0.
-        sampling: ``"uniform"`` or ``"priority"`` (see `sample`).
+        sampling: ``"uniform"`` or ``"priority"`` (see `sample_groups`).
+        per_prompt: maximum number of distinct entries (trajectories) per prompt, > 0.
     """
 
-    def __init__(self, capacity: int = 512, decay: float = 0.05, sampling: str = "uniform"):
+    def __init__(self, capacity: int = 512, decay: float = 0.05, sampling: str = "uniform", per_prompt: int = 1):
         if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity <= 0:
             raise ValueError(f"`capacity` must be a positive int (>= 1), got {capacity!r}")
         try:
@@ -149,10 +167,13 @@ class ReplayBuffer:
             raise ValueError(f"`decay` must be a finite float >= 0, got {decay!r}")
         if sampling not in _SAMPLING:
             raise ValueError(f"`sampling` must be one of {list(_SAMPLING)}, got {sampling!r}")
+        if isinstance(per_prompt, bool) or not isinstance(per_prompt, (int, np.integer)) or per_prompt <= 0:
+            raise ValueError(f"`per_prompt` must be a positive int (>= 1), got {per_prompt!r}")
         self.capacity = int(capacity)
         self.decay = decay_f
         self.sampling = sampling
-        self._entries: dict[str, ReplayEntry] = {}
+        self.per_prompt = int(per_prompt)
+        self._entries: dict[str, list[ReplayEntry]] = {}  # prompt -> its entries (insertion order kept)
         self._states_shape: tuple[int, ...] | None = None
         # Welford statistics of every finite reward offered.
         self._n = 0
@@ -162,17 +183,23 @@ class ReplayBuffer:
 
     # ------------------------------------------------------------------ container protocol
     def __len__(self) -> int:
-        return len(self._entries)
+        return sum(len(v) for v in self._entries.values())
 
     def __contains__(self, prompt: object) -> bool:
         return prompt in self._entries
 
     def __iter__(self) -> Iterator[ReplayEntry]:
-        return iter(list(self._entries.values()))
+        return iter([e for v in self._entries.values() for e in v])
 
     def get(self, prompt: str) -> ReplayEntry | None:
-        """The stored entry for ``prompt``, or None."""
-        return self._entries.get(prompt)
+        """The stored entry for ``prompt`` (the highest-reward one, the first among equals, when it holds several),
+        or None."""
+        entries = self._entries.get(prompt)
+        return max(entries, key=lambda e: e.reward) if entries else None
+
+    def entries_of(self, prompt: str) -> list[ReplayEntry]:
+        """All stored entries of ``prompt`` (insertion order), possibly empty."""
+        return list(self._entries.get(prompt, ()))
 
     @property
     def prompts(self) -> list[str]:
@@ -186,7 +213,7 @@ class ReplayBuffer:
     def __repr__(self) -> str:
         return (
             f"ReplayBuffer(size={len(self)}, capacity={self.capacity}, decay={self.decay}, "
-            f"sampling={self.sampling!r}, states_shape={self._states_shape})"
+            f"sampling={self.sampling!r}, per_prompt={self.per_prompt}, states_shape={self._states_shape})"
         )
 
     # ------------------------------------------------------------------ priority
@@ -209,9 +236,16 @@ class ReplayBuffer:
         self._mean += delta / self._n
         self._m2 += delta * (reward - self._mean)
 
-    def _lowest(self, now: int) -> ReplayEntry:
-        # lowest priority; ties: oldest first, then prompt (deterministic)
-        return min(self._entries.values(), key=lambda e: (self.priority(e, now), e.step, e.prompt))
+    def _lowest(self, now: int, entries: Iterable[ReplayEntry] | None = None) -> ReplayEntry:
+        # lowest priority; ties: oldest first, then prompt, then the earlier stored (deterministic)
+        entries = list(self) if entries is None else list(entries)
+        return min(enumerate(entries), key=lambda ie: (self.priority(ie[1], now), ie[1].step, ie[1].prompt, ie[0]))[1]
+
+    def _remove(self, entry: ReplayEntry) -> None:
+        lst = self._entries[entry.prompt]
+        lst.pop(next(i for i, e in enumerate(lst) if e is entry))
+        if not lst:
+            del self._entries[entry.prompt]
 
     # ------------------------------------------------------------------ offer
     def _validate(self, entry: ReplayEntry, now: int) -> tuple[ReplayEntry, bool]:
@@ -281,8 +315,8 @@ class ReplayBuffer:
     def offer(self, entry: ReplayEntry, now: int) -> bool:
         """Offer a candidate (normally the best trajectory of a group, produced at ``step == now``).
 
-        Inserts, replaces the same prompt's entry, evicts the lowest-priority entry, or rejects, per the module
-        docstring. The stored entry is a detached CPU copy. Returns whether the candidate was stored.
+        Inserts, replaces the same prompt's lowest entry, evicts the lowest-priority entry, or rejects (also a
+        duplicate of a stored trajectory), per the module docstring. The stored entry is a detached CPU copy. Returns whether the candidate was stored.
 
         Raises:
             TypeError / ValueError: malformed entry (wrong types, dtype other than float32, inconsistent
@@ -301,26 +335,30 @@ class ReplayBuffer:
                 stacklevel=2,
             )
             return False
+        same = self._entries.get(cand.prompt, [])
+        if any(_same_trajectory(cand, e) for e in same):
+            self.counters["rejected_duplicate"] += 1
+            return False
         self.counters["offered"] += 1
         self._update_stats(cand.reward)
         p_new = self.priority(cand, now)
 
-        old = self._entries.get(cand.prompt)
-        if old is not None:
+        if len(same) >= self.per_prompt:
+            old = self._lowest(now, same)
             if p_new >= self.priority(old, now):
-                self._entries[cand.prompt] = cand
+                same[next(i for i, e in enumerate(same) if e is old)] = cand
                 self.counters["replaced"] += 1
                 return True
             self.counters["rejected"] += 1
             return False
-        if len(self._entries) >= self.capacity:
+        if len(self) >= self.capacity:
             lowest = self._lowest(now)
             if not p_new > self.priority(lowest, now):
                 self.counters["rejected"] += 1
                 return False
-            del self._entries[lowest.prompt]
+            self._remove(lowest)
             self.counters["evicted"] += 1
-        self._entries[cand.prompt] = cand
+        self._entries.setdefault(cand.prompt, []).append(cand)
         self._states_shape = tuple(cand.states.shape)
         self.counters["inserted"] += 1
         return True
@@ -333,28 +371,57 @@ class ReplayBuffer:
         generator: torch.Generator | None = None,
         exclude: Iterable[str] = (),
     ) -> list[ReplayEntry]:
-        """Up to ``n`` distinct entries whose prompt is not in ``exclude`` (see the module docstring).
+        """Up to ``n`` entries of ``n`` distinct prompts not in ``exclude``: ``sample_groups([1] * n)`` flattened."""
+        n = _as_int("n", n)
+        if n < 0:
+            raise ValueError(f"`n` must be >= 0, got {n}")
+        return [g[0] for g in self.sample_groups([1] * n, now, generator=generator, exclude=exclude)]
+
+    def sample_groups(
+        self,
+        sizes: list[int],
+        now: int,
+        generator: torch.Generator | None = None,
+        exclude: Iterable[str] = (),
+    ) -> list[list[ReplayEntry]]:
+        """Up to ``len(sizes)`` distinct prompts not in ``exclude``, each with up to ``sizes[j]`` distinct entries
+        of that prompt (see the module docstring). Never returns an entry twice.
 
         ``generator`` is a CPU `torch.Generator` used by ``"uniform"`` sampling (the global RNG if None);
         ``now`` is used by ``"priority"`` sampling.
         """
-        n = _as_int("n", n)
-        if n < 0:
-            raise ValueError(f"`n` must be >= 0, got {n}")
+        sizes = [_as_int("sizes[j]", k) for k in sizes]
+        if any(k < 1 for k in sizes):
+            raise ValueError(f"`sizes` must hold ints >= 1, got {sizes}")
         now = _as_int("now", now)
         excl = {exclude} if isinstance(exclude, str) else set(exclude)
-        cands = sorted((e for p, e in self._entries.items() if p not in excl), key=lambda e: e.prompt)
-        if n == 0 or not cands:
+        prompts = sorted(p for p in self._entries if p not in excl)
+        if not sizes or not prompts:
             return []
+
+        def rank(e):
+            return (-self.priority(e, now), -e.step, e.prompt)
+
         if self.sampling == "priority":
-            cands.sort(key=lambda e: (-self.priority(e, now), -e.step, e.prompt))
-            return cands[:n]
-        perm = torch.randperm(len(cands), generator=generator)[: min(n, len(cands))]
-        return [cands[i] for i in perm.tolist()]
+            prompts.sort(key=lambda p: min(rank(e) for e in self._entries[p]))
+            chosen = prompts[: len(sizes)]
+        else:
+            perm = torch.randperm(len(prompts), generator=generator)[: min(len(sizes), len(prompts))]
+            chosen = [prompts[i] for i in perm.tolist()]
+        out = []
+        for p, k in zip(chosen, sizes):
+            entries = self._entries[p]
+            if len(entries) <= k:
+                out.append(list(entries))
+            elif self.sampling == "priority":
+                out.append(sorted(entries, key=rank)[:k])
+            else:
+                out.append([entries[i] for i in torch.randperm(len(entries), generator=generator)[:k].tolist()])
+        return out
 
     def stats(self, now: int) -> dict[str, float]:
         """Logging summary. Means/max are NaN for an empty buffer; counters are cumulative."""
-        entries = list(self._entries.values())
+        entries = list(self)
         nan = float("nan")
         out: dict[str, float] = {
             "size": float(len(entries)),
@@ -382,6 +449,7 @@ class ReplayBuffer:
             "capacity": self.capacity,
             "decay": self.decay,
             "sampling": self.sampling,
+            "per_prompt": self.per_prompt,
             "reward_stats": {"count": self._n, "mean": self._mean, "m2": self._m2},
             "states_shape": list(self._states_shape) if self._states_shape is not None else None,
             "counters": dict(self.counters),
@@ -409,7 +477,7 @@ class ReplayBuffer:
         import datasets
 
         features = self.features()
-        entries = list(self._entries.values())
+        entries = list(self)
         shape = self._states_shape
         flat = shape is None or not (2 <= len(shape) <= 5)
         if entries:
@@ -437,8 +505,10 @@ class ReplayBuffer:
         """Rebuild a buffer from `to_dataset`'s output.
 
         The config comes from ``ds.info.description`` (see module docstring); ``kwargs`` (capacity, decay,
-        sampling) override it. If the dataset holds more rows than the capacity, the lowest-priority rows
-        (at ``now`` = the newest step) are dropped with a warning.
+        sampling, per_prompt) override it. If the dataset holds more rows than the capacity, the lowest-priority
+        rows (at ``now`` = the newest step) are dropped with a warning. A format-1 buffer (one entry per prompt,
+        written before ``per_prompt`` existed) loads as ``per_prompt=1``; asking for more converts it, with a
+        warning. More rows of one prompt than ``per_prompt``, or the same trajectory twice, raise ``ValueError``.
         """
         meta = None
         desc = getattr(getattr(ds, "info", None), "description", None) or ""
@@ -452,7 +522,16 @@ class ReplayBuffer:
         if meta is not None:
             if meta.get("version", 0) > _FORMAT_VERSION:
                 raise ValueError(f"replay buffer format version {meta['version']} is newer than {_FORMAT_VERSION}")
-            config = {k: meta[k] for k in ("capacity", "decay", "sampling") if k in meta}
+            config = {k: meta[k] for k in ("capacity", "decay", "sampling", "per_prompt") if k in meta}
+        version = meta.get("version", 1) if meta is not None else None
+        if version == 1 and kwargs.get("per_prompt", 1) != 1:
+            warnings.warn(
+                f"ReplayBuffer.from_dataset: converting a format-1 replay buffer (one entry per prompt, written before "
+                f"several entries per prompt existed) to per_prompt={kwargs['per_prompt']}: its entries are kept, and "
+                "each prompt may now hold up to that many distinct trajectories",
+                UserWarning,
+                stacklevel=2,
+            )
         config.update(kwargs)
         buf = cls(**config)
 
@@ -466,7 +545,7 @@ class ReplayBuffer:
                 raise ValueError("cannot infer the `states` shape: flat states column and no buffer metadata")
 
         entries: list[ReplayEntry] = []
-        seen: set[str] = set()
+        seen: dict[str, list[ReplayEntry]] = {}
         nds = ds.with_format("numpy", columns=["states", "log_probs", "sigmas"])
         scalars = ds.select_columns(["prompt", "columns", "reward", "step"])[:]
         prompts, columns, rewards, steps = scalars["prompt"], scalars["columns"], scalars["reward"], scalars["step"]
@@ -478,20 +557,24 @@ class ReplayBuffer:
             for j in range(st.shape[0]):
                 i = start + j
                 prompt = prompts[i]
-                if prompt in seen:
-                    raise ValueError(f"dataset holds prompt {prompt!r} twice; a replay buffer holds one per prompt")
-                seen.add(prompt)
-                entries.append(
-                    ReplayEntry(
-                        prompt=prompt,
-                        columns=json.loads(columns[i]),
-                        states=torch.from_numpy(np.array(st[j], copy=True).reshape(shape)),
-                        log_probs=torch.from_numpy(np.array(lp[j], copy=True)),
-                        sigmas=torch.from_numpy(np.array(sg[j], copy=True)),
-                        reward=float(rewards[i]),
-                        step=int(steps[i]),
-                    )
+                entry = ReplayEntry(
+                    prompt=prompt,
+                    columns=json.loads(columns[i]),
+                    states=torch.from_numpy(np.array(st[j], copy=True).reshape(shape)),
+                    log_probs=torch.from_numpy(np.array(lp[j], copy=True)),
+                    sigmas=torch.from_numpy(np.array(sg[j], copy=True)),
+                    reward=float(rewards[i]),
+                    step=int(steps[i]),
                 )
+                same = seen.setdefault(prompt, [])
+                if any(_same_trajectory(entry, e) for e in same):
+                    raise ValueError(f"dataset row {i} repeats a stored trajectory of prompt {prompt!r}; a replay "
+                                     "buffer holds no duplicates")
+                if len(same) >= buf.per_prompt:
+                    raise ValueError(f"dataset holds more than per_prompt={buf.per_prompt} rows of prompt {prompt!r} "
+                                     f"(row {i}); load it with per_prompt >= the rows per prompt")
+                same.append(entry)
+                entries.append(entry)
 
         if meta is not None:
             rs = meta.get("reward_stats", {})
@@ -519,7 +602,7 @@ class ReplayBuffer:
             )
             entries = [e for e in entries if id(e) in keep_ids]
         for e in entries:
-            buf._entries[e.prompt] = e
+            buf._entries.setdefault(e.prompt, []).append(e)
         buf._states_shape = shape if (entries or shape is not None) else None
         return buf
 
