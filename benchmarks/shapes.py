@@ -113,26 +113,45 @@ BASE = dict(
 # name -> (config class, trainer class, overrides)
 METHODS = {
     "flow_grpo": ("FlowGRPOConfig", "FlowGRPOTrainer", {}),
+    # OP-GRPO in the described form (issue 38, OPGRPOConfig's defaults): 25% of the SAMPLES replayed, in groups of at
+    # most G // 2 buffered + fresh trajectories; only the late tail regenerated (truncation_fraction 0.1: k_off = 8 of
+    # 10, the last of the 9 trained steps). Its ablations: correction (per-step ratio, none), truncation, share.
     "op_grpo": ("OPGRPOConfig", "OPGRPOTrainer", {}),
     "op_grpo_per_step": ("OPGRPOConfig", "OPGRPOTrainer", {"off_policy_correction": "per_step"}),
     "op_grpo_no_correction": ("OPGRPOConfig", "OPGRPOTrainer", {"off_policy_correction": "none"}),
-    "op_grpo_no_truncation": ("OPGRPOConfig", "OPGRPOTrainer", {"truncation_step": 10}),
+    "op_grpo_no_truncation": ("OPGRPOConfig", "OPGRPOTrainer", {"truncation_fraction": 0.0}),
     "op_grpo_share_12": ("OPGRPOConfig", "OPGRPOTrainer", {"off_policy_fraction": 0.125}),
     "op_grpo_share_50": ("OPGRPOConfig", "OPGRPOTrainer", {"off_policy_fraction": 0.5}),
-    # every group replays one buffered trajectory: the largest replayed-sample share the design allows (1 / G)
-    "op_grpo_share_100": ("OPGRPOConfig", "OPGRPOTrainer", {"off_policy_fraction": 1.0}),
-    # groups of G = 4 (32 samples an iteration on tier 2): every group replaying its buffered trajectory is then 1 / 4
-    # = 25% of the samples, the paper's best share, which G = 16 cannot reach; Flow-GRPO at G = 4 is its reference
+    # groups of G = 4 (32 samples an iteration on tier 2): the described form at G = 4 (8 of 32 samples replayed, in 4
+    # groups of 2 buffered + 2 fresh); Flow-GRPO at G = 4 is its reference
     "flow_grpo_g4": ("FlowGRPOConfig", "FlowGRPOTrainer", {"num_generations": 4}),
     "op_grpo_g4": ("OPGRPOConfig", "OPGRPOTrainer", {"num_generations": 4}),
-    "op_grpo_g4_share_100": ("OPGRPOConfig", "OPGRPOTrainer", {"num_generations": 4, "off_policy_fraction": 1.0}),
-    # two ablations of the 25% share testing the replay diagnostic (op_replay_advantages.py): the whole buffered
-    # trajectory reused (truncation off), and the replayed sample kept out of its group's mean and std
-    "op_grpo_g4_share_100_no_truncation": ("OPGRPOConfig", "OPGRPOTrainer",
-                                           {"num_generations": 4, "off_policy_fraction": 1.0, "truncation_step": 10}),
-    "op_grpo_g4_share_100_fresh_baseline": ("OPGRPOConfig", "OPGRPOTrainer",
-                                            {"num_generations": 4, "off_policy_fraction": 1.0,
-                                             "replay_baseline": "fresh"}),
+    # OP-GRPO as it was before issue 38 (the committed results up to then): off_policy_fraction the share of GROUPS
+    # replaying one buffered trajectory each, truncation at K // 2 = 5 (sigma 0.71, not late). The committed labels
+    # map as: op_grpo -> op_grpo_legacy, op_grpo_per_step -> op_grpo_legacy_per_step, op_grpo_no_correction ->
+    # op_grpo_legacy_no_correction, op_grpo_no_truncation -> op_grpo_legacy_no_truncation, op_grpo_share_100 ->
+    # op_grpo_legacy_share_100, op_grpo_g4_share_100* -> op_grpo_legacy_g4_share_100* (each with the same @lr; a
+    # label without @lr on tier 2 ran at SWEPT_LR's op_grpo rate, 1e-3). Every run's config is in its results.json.
+    "op_grpo_legacy": ("OPGRPOConfig", "OPGRPOTrainer", {"replay_unit": "group", "truncation_step": 5}),
+    "op_grpo_legacy_per_step": ("OPGRPOConfig", "OPGRPOTrainer",
+                                {"replay_unit": "group", "truncation_step": 5, "off_policy_correction": "per_step"}),
+    "op_grpo_legacy_no_correction": ("OPGRPOConfig", "OPGRPOTrainer",
+                                     {"replay_unit": "group", "truncation_step": 5, "off_policy_correction": "none"}),
+    "op_grpo_legacy_no_truncation": ("OPGRPOConfig", "OPGRPOTrainer", {"replay_unit": "group", "truncation_step": 10}),
+    # every group replays one buffered trajectory: the largest replayed-sample share the old design allowed (1 / G)
+    "op_grpo_legacy_share_100": ("OPGRPOConfig", "OPGRPOTrainer",
+                                 {"replay_unit": "group", "truncation_step": 5, "off_policy_fraction": 1.0}),
+    # G = 4 with every group replaying its buffered trajectory: 25% of the samples, with the half-way truncation
+    "op_grpo_legacy_g4_share_100": ("OPGRPOConfig", "OPGRPOTrainer", {"replay_unit": "group", "truncation_step": 5,
+                                                                      "num_generations": 4, "off_policy_fraction": 1.0}),
+    # two ablations of it testing the replay diagnostic (op_replay_advantages.py): the whole buffered trajectory
+    # reused (truncation off), and the replayed sample kept out of its group's mean and std
+    "op_grpo_legacy_g4_share_100_no_truncation": ("OPGRPOConfig", "OPGRPOTrainer",
+                                                  {"replay_unit": "group", "num_generations": 4,
+                                                   "off_policy_fraction": 1.0, "truncation_step": 10}),
+    "op_grpo_legacy_g4_share_100_fresh_baseline": ("OPGRPOConfig", "OPGRPOTrainer",
+                                                   {"replay_unit": "group", "truncation_step": 5, "num_generations": 4,
+                                                    "off_policy_fraction": 1.0, "replay_baseline": "fresh"}),
     # parity ablations of Flow-GRPO (the other two parity defaults held fixed)
     "flow_grpo_exact_kl": ("FlowGRPOConfig", "FlowGRPOTrainer", {"beta": 0.04, "kl_form": "exact"}),
     "flow_grpo_reference_kl": ("FlowGRPOConfig", "FlowGRPOTrainer", {"beta": 0.04, "kl_form": "reference"}),

@@ -118,10 +118,11 @@ def test_replace_keeps_default_meaning_default():
     assert c.kl_mask_delta is None and c.resolved_kl_mask_delta == DEFAULT_KL_MASK_DELTA
     explicit = dataclasses.replace(FlowDPPOConfig(kl_mask_delta=3e-6), sampler="cps")
     assert explicit.resolved_kl_mask_delta == 3e-6
+    # truncation_fraction 0.1 (issue 38; was K // 2): the last ceil(0.1 (K - 1)) of the K - 1 trained steps regenerated
     o = OPGRPOConfig(num_inference_steps=10)
-    assert o.truncation_step is None and o.resolved_truncation_step == 5
+    assert o.truncation_step is None and o.resolved_truncation_step == 8
     o6 = dataclasses.replace(o, num_inference_steps=6)
-    assert o6.resolved_truncation_step == 3
+    assert o6.resolved_truncation_step == 4
     assert dataclasses.replace(OPGRPOConfig(num_inference_steps=10, truncation_step=4),
                                num_inference_steps=6).resolved_truncation_step == 4
     with pytest.raises(ValueError, match=r"OPGRPOConfig\.truncation_step="):  # explicit value checked again
@@ -130,7 +131,7 @@ def test_replace_keeps_default_meaning_default():
     from trl_flow.trainers.checkpoints import flat_config
 
     flat = flat_config(o6)
-    assert flat["truncation_step"] == 3 and flat["kl_mask_delta"] == DEFAULT_KL_MASK_DELTA
+    assert flat["truncation_step"] == 4 and flat["kl_mask_delta"] == DEFAULT_KL_MASK_DELTA
 
 
 def test_recipe_that_overrides_sampler_and_steps_resolves_defaults():
@@ -138,11 +139,13 @@ def test_recipe_that_overrides_sampler_and_steps_resolves_defaults():
 
     _, c, _ = cli.parse_args("dppo", ["--config", "shapes_dppo", "--sampler", "cps", "--noise_level", "0.5"])
     assert c.sampler == "cps" and c.kl_mask_delta is None and c.resolved_kl_mask_delta == DEFAULT_KL_MASK_DELTA
-    _, o, _ = cli.parse_args("op-grpo", ["--config", "shapes_op_grpo", "--num_inference_steps", "8"])
-    # the recipe sets truncation_step explicitly; an explicit None-free value stays what it says
-    assert o.resolved_truncation_step == o.truncation_step
-    _, o, _ = cli.parse_args("op-grpo", ["--config", "sd35m_op_grpo_geneval", "--num_inference_steps", "8"])
-    assert o.truncation_step is None and o.resolved_truncation_step == 4
+    _, o, _ = cli.parse_args("op-grpo", ["--config", "shapes_op_grpo", "--num_inference_steps", "8",
+                                         "--truncation_step", "5"])
+    # an explicit truncation_step stays what it says
+    assert o.resolved_truncation_step == o.truncation_step == 5
+    for recipe in ("shapes_op_grpo", "sd35m_op_grpo_geneval"):  # the recipes leave it to truncation_fraction
+        _, o, _ = cli.parse_args("op-grpo", ["--config", recipe, "--num_inference_steps", "8"])
+        assert o.truncation_step is None and o.resolved_truncation_step == 6, recipe
 
 
 def test_stepwise_preset_still_valid_under_replace():

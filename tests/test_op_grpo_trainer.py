@@ -39,7 +39,7 @@ def mean_pixel(images, prompts, **kwargs):
 
 def make_config(tmp_path, **kwargs):
     base = dict(
-        output_dir=str(tmp_path), max_steps=2, num_generations=2, prompts_per_step=2, off_policy_fraction=0.5,
+        output_dir=str(tmp_path), max_steps=2, num_generations=2, prompts_per_step=2, off_policy_fraction=0.25,
         height=32, width=32, num_inference_steps=K, truncation_step=K_OFF, per_device_train_batch_size=1,
         max_sequence_length=16, guidance_scale=1.0, beta=0.0, lora_r=4, lora_alpha=8, disable_tqdm=True,
     )
@@ -192,9 +192,12 @@ def test_truncation_step_equal_to_num_steps_keeps_whole_trajectory(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------- hybrid rollout
-def test_off_policy_share_groups_and_no_duplicate_prompts(tmp_path):
+def test_group_unit_replays_one_trajectory_in_a_share_of_groups(tmp_path):
+    # replay_unit="group" (the form before issue 38): off_policy_fraction is the share of GROUPS, one buffered
+    # trajectory each, one buffer entry per prompt
     P, G = 4, 3
-    tr = make_trainer(tmp_path, prompts_per_step=P, num_generations=G)
+    tr = make_trainer(tmp_path, prompts_per_step=P, num_generations=G, replay_unit="group", off_policy_fraction=0.5)
+    assert tr.replay_buffer.per_prompt == 1
     r0 = tr.make_rollout(0)
     assert not r0.extras["is_replay"].any() and r0.extras["metrics"]["off_policy_share"] == 0.0
     assert sorted(tr.replay_buffer.prompts) == sorted(PROMPTS)  # the buffer holds every prompt of the dataset
@@ -230,17 +233,19 @@ def test_off_policy_share_groups_and_no_duplicate_prompts(tmp_path):
 
 @pytest.mark.parametrize("replay_baseline", ["group", "fresh"])
 def test_replay_baseline_sets_which_samples_make_the_group_statistics(tmp_path, replay_baseline):
-    P, G = 2, 3
-    tr = make_trainer(tmp_path, prompts_per_step=P, num_generations=G, off_policy_fraction=1.0,
+    # every group replays 2 of its 4 samples (off_policy_fraction=0.5 of the samples)
+    P, G = 2, 4
+    tr = make_trainer(tmp_path, prompts_per_step=P, num_generations=G, off_policy_fraction=0.5,
                       replay_baseline=replay_baseline, scale_rewards="group")
     tr.make_rollout(0)
     r = tr.make_rollout(1)
     tr.compute_advantages(r)
     rep = replayed(r)
-    assert len(rep) == P
+    assert len(rep) == P * G // 2
     for i in rep:
         members = [m for m in range(len(r)) if int(r.group_ids[m]) == int(r.group_ids[i])]
-        stats = members if replay_baseline == "group" else [m for m in members if m != i]
+        assert sum(m in rep for m in members) == 2
+        stats = members if replay_baseline == "group" else [m for m in members if m not in rep]
         rw = r.rewards[stats].double()
         std = float(rw.std(unbiased=False))
         if std < 1e-4:  # equal baseline rewards: the whole group's std scales (group_advantages)
@@ -248,8 +253,8 @@ def test_replay_baseline_sets_which_samples_make_the_group_statistics(tmp_path, 
         for m in members:
             expected = (float(r.rewards[m]) - float(rw.mean())) / (std + 1e-4)
             assert float(r.advantages[m]) == pytest.approx(max(-5.0, min(5.0, expected)), rel=1e-3, abs=1e-5)
-        if replay_baseline == "fresh":  # the fresh samples' advantages sum to 0 without the replayed one
-            assert abs(float(r.advantages[[m for m in members if m != i]].sum())) < 1e-4
+        if replay_baseline == "fresh":  # the fresh samples' advantages sum to 0 without the replayed ones
+            assert abs(float(r.advantages[[m for m in members if m not in rep]].sum())) < 1e-4
 
 
 def test_replayed_trajectory_is_not_offered_to_the_buffer(tmp_path):
@@ -262,19 +267,21 @@ def test_replayed_trajectory_is_not_offered_to_the_buffer(tmp_path):
         seen_images.extend(images.clone())
         return out
 
-    tr = make_trainer(tmp_path, reward=favours_replays, truncation_step=K, prompts_per_step=4, num_generations=3)
-    r0 = tr.make_rollout(0)
-    old = {e.prompt: e for e in tr.replay_buffer}
+    # 2 groups replay 2 of their 4 samples each; the buffer keeps the best 2 fresh trajectories of a prompt
+    tr = make_trainer(tmp_path, reward=favours_replays, truncation_step=K, prompts_per_step=4, num_generations=4)
+    tr.make_rollout(0)
+    old = {p: tr.replay_buffer.entries_of(p) for p in tr.replay_buffer.prompts}
+    assert all(len(v) == 2 for v in old.values())
     r = tr.make_rollout(1)
     rep = replayed(r)
-    assert len(rep) == 2 and all(float(r.rewards[i]) == 1000.0 for i in rep)  # the best of their groups
+    assert len(rep) == 4 and all(float(r.rewards[i]) == 1000.0 for i in rep)  # the best of their groups
     for i in rep:
-        e = tr.replay_buffer.get(r.prompts[i])
-        fresh = [m for m in range(len(r)) if int(r.group_ids[m]) == int(r.group_ids[i]) and m != i]
-        best = max(fresh, key=lambda m: float(r.rewards[m]))
-        assert e is old[r.prompts[i]] or (e.step == 1 and e.reward == float(r.rewards[best])
-                                          and torch.equal(e.states, r.states[best]))
-        assert e.reward < 1000.0
+        fresh = [m for m in range(len(r)) if int(r.group_ids[m]) == int(r.group_ids[i]) and m not in rep]
+        top2 = sorted(fresh, key=lambda m: -float(r.rewards[m]))[:2]
+        for e in tr.replay_buffer.entries_of(r.prompts[i]):
+            assert any(e is o for o in old[r.prompts[i]]) or (
+                e.step == 1 and any(e.reward == float(r.rewards[m]) and torch.equal(e.states, r.states[m]) for m in top2))
+            assert e.reward < 1000.0
 
 
 def test_short_buffer_does_not_duplicate_a_fresh_prompt(tmp_path):
@@ -309,7 +316,9 @@ def test_fewer_distinct_prompts_than_groups_still_replays(tmp_path, dataset):
     assert sorted(tr.replay_buffer.prompts) == sorted(dataset)
     r = tr.make_rollout(1)
     rep = replayed(r)
-    n_off = min(round(P * tr.config.off_policy_fraction), len(dataset))  # the buffer holds one entry a prompt
+    # G = 3: at most G // 2 = 1 replayed per group, one entry per prompt; as many groups as the buffer has prompts
+    assert tr.config.replay_sizes() == [1, 1, 1]
+    n_off = min(3, len(dataset))
     assert n_off >= 1 and len(rep) == n_off and len({r.prompts[i] for i in rep}) == n_off
     assert r.extras["metrics"]["off_policy_share"] == n_off / (P * G) and len(r) == P * G
     for i in rep:  # each replayed trajectory sits in a group of G-1 fresh samples of its prompt
@@ -480,8 +489,11 @@ def test_bad_config_raises_naming_field(tmp_path, kwargs, field):
 
 
 def test_config_defaults(tmp_path):
+    # issue 38: the described form (a 25% share of the samples; only the late tail regenerated). Before it the
+    # defaults were k_off = K // 2 = 5 and a 25% share of the groups.
     cfg = OPGRPOConfig(output_dir=str(tmp_path), num_inference_steps=10)
-    assert cfg.resolved_truncation_step == 5 and cfg.off_policy_fraction == 0.25
+    assert cfg.resolved_truncation_step == 8 and cfg.off_policy_fraction == 0.25
+    assert (cfg.replay_unit, cfg.truncation_fraction, cfg.truncation_step) == ("sample", 0.1, None)
     assert (cfg.off_policy_correction, cfg.importance_weight_placement) == ("sequence", "objective")
     assert cfg.replay_baseline == "group"
     assert make_config(tmp_path, truncation_step=K).resolved_truncation_step == K
@@ -493,11 +505,15 @@ def test_config_defaults(tmp_path):
     ({"truncation_step": K_OFF + 1}, "truncation_step"),
     ({"num_inference_steps": K + 2}, "sigmas"),  # same k_off, other schedule
 ])
-def test_incompatible_buffer_raises_when_replayed(tmp_path, kwargs, match):
+def test_incompatible_buffer_raises_before_sampling(tmp_path, kwargs, match):
     a = make_trainer(tmp_path / "a")
     a.make_rollout(0)
     a.replay_buffer.save_to_disk(tmp_path / "buf")
     loaded = ReplayBuffer.load_from_disk(tmp_path / "buf")
+    if "truncation_step" in kwargs:  # other k_off: refused when the trainer is made
+        with pytest.raises(ValueError, match=match):
+            make_trainer(tmp_path / "b", replay_buffer=loaded, **kwargs)
+        return
     b = make_trainer(tmp_path / "b", replay_buffer=loaded, **kwargs)
     with pytest.raises(ValueError, match=match):
         b.make_rollout(1)
@@ -571,3 +587,127 @@ def test_lora_init_is_a_function_of_config_seed(tmp_path):
     b = make_trainer(tmp_path / "b", lora_seed=2)
     pa, pb = lora_params(a), lora_params(b)
     assert all(torch.equal(pa[n], pb[n]) for n in pa)
+
+
+# ------------------------------------------------------------------- issue 38: the described form by default
+def defaults_run(tmp_path, G):
+    """A 2-iteration run of OPGRPOConfig()'s defaults, only the sizes changed to fit the tiny pipeline."""
+    cfg = OPGRPOConfig(output_dir=str(tmp_path), max_steps=2, num_generations=G, prompts_per_step=2, height=32,
+                       width=32, max_sequence_length=16, per_device_train_batch_size=2 * G, disable_tqdm=True)
+    defaults = OPGRPOConfig(output_dir=str(tmp_path))
+    for f in ("off_policy_fraction", "replay_unit", "truncation_fraction", "truncation_step", "num_inference_steps",
+              "sampler", "off_policy_correction", "buffer_capacity", "buffer_decay", "buffer_sampling"):
+        assert getattr(cfg, f) == getattr(defaults, f), f
+    torch.manual_seed(0)
+    tr = OPGRPOTrainer(cfg, tiny_sd3_pipeline(), [mean_pixel], train_dataset=[f"p{i}" for i in range(8)])
+    tr.train()
+    return tr
+
+
+@pytest.mark.parametrize("G", [16, 4])
+def test_defaults_replay_a_quarter_of_the_samples_and_regenerate_only_the_late_tail(tmp_path, G):
+    tr = defaults_run(tmp_path, G)
+    logs = tr.state.log_history
+    assert logs[0]["off_policy_share"] == 0.0  # empty buffer
+    assert abs(logs[1]["off_policy_share"] - 0.25) <= 0.05  # the buffer can serve: a quarter of the SAMPLES
+    r = tr.last_rollout
+    rep = replayed(r)
+    assert len(rep) / len(r) == logs[1]["off_policy_share"] == 0.25
+    # each replaying group: at most G // 2 distinct buffered trajectories of its prompt, the rest fresh
+    for g in {int(r.group_ids[i]) for i in rep}:
+        members = [m for m in range(len(r)) if int(r.group_ids[m]) == g]
+        mine = [m for m in members if m in rep]
+        assert len(members) == G and 1 <= len(mine) <= G // 2 and len({r.prompts[m] for m in members}) == 1
+        for a in mine:
+            for b in mine:
+                assert a == b or not torch.equal(r.states[a, :9], r.states[b, :9])  # no trajectory twice
+    # late-step truncation: the trained steps are every step but the last (K = 10: steps 0..8); the replayed
+    # trajectories regenerate only their last ones, at most a third of them, and reuse the rest
+    trained = r.trained_steps()
+    assert trained == list(range(9))
+    reused = r.extras["reused"]
+    regenerated = [k for k in trained if not reused[rep][:, k].any()]
+    assert all(bool(reused[rep][:, k].all()) for k in trained if k not in regenerated)
+    assert 1 <= len(regenerated) <= len(trained) / 3 and regenerated == trained[-len(regenerated):]
+    k_off = tr.config.resolved_truncation_step
+    assert regenerated == list(range(k_off, 9)) and k_off == 8
+    # on this shift-3 schedule the reused prefix ends in the low-noise regime (K // 2 = 5 was sigma 0.71)
+    assert float(r.schedule.sigmas[k_off]) < 0.3 < 0.7 < float(r.schedule.sigmas[5])
+    # the buffer keeps the best G // 2 distinct fresh trajectories of every prompt
+    assert tr.replay_buffer.per_prompt == G // 2
+    for p in tr.replay_buffer.prompts:
+        entries = tr.replay_buffer.entries_of(p)
+        assert 1 <= len(entries) <= G // 2
+        assert all(not torch.equal(a.states, b.states) for i, a in enumerate(entries) for b in entries[i + 1:])
+
+
+def test_sample_unit_layout_and_offers(tmp_path):
+    P, G = 4, 4  # 0.25 of 16 samples = 4: two groups replay 2 each (G // 2 at most), two groups are all fresh
+    tr = make_trainer(tmp_path, prompts_per_step=P, num_generations=G)
+    assert tr.config.replay_sizes() == [2, 2] and tr.replay_buffer.per_prompt == 2
+    r0 = tr.make_rollout(0)
+    for p in set(r0.prompts):  # the best 2 fresh trajectories of every group were offered (and kept)
+        rows = sorted((j for j, q in enumerate(r0.prompts) if q == p), key=lambda j: -float(r0.rewards[j]))[:2]
+        kept = tr.replay_buffer.entries_of(p)
+        assert sorted(e.reward for e in kept) == sorted(float(r0.rewards[j]) for j in rows)
+        assert all(any(torch.equal(e.states, r0.states[j, : K_OFF + 1]) for e in kept) for j in rows)
+    served = {p: tr.replay_buffer.entries_of(p) for p in tr.replay_buffer.prompts}  # before iteration 1's offers
+    r = tr.make_rollout(1)
+    rep = replayed(r)
+    assert len(r) == P * G and len(rep) == 4 and r.extras["metrics"]["off_policy_share"] == 0.25
+    rep_groups = {int(r.group_ids[i]) for i in rep}
+    assert len(rep_groups) == 2 and sorted(set(int(g) for g in r.group_ids)) == list(range(P))
+    for g in rep_groups:
+        members = [m for m in range(len(r)) if int(r.group_ids[m]) == g]
+        mine = [m for m in members if m in rep]
+        assert len(members) == G and len(mine) == 2
+        # the two replayed trajectories are the prompt's two distinct buffered ones, each once
+        stored = served[r.prompts[mine[0]]]
+        assert len(stored) == 2
+        for m in mine:
+            assert sum(torch.equal(r.states[m, : K_OFF + 1], e.states) for e in stored) == 1
+        assert not torch.equal(r.states[mine[0], : K_OFF + 1], r.states[mine[1], : K_OFF + 1])
+    # replayed prompts are not also fresh groups of this iteration
+    rep_prompts = {r.prompts[i] for i in rep}
+    fresh_only = set(range(P)) - rep_groups
+    assert not rep_prompts & {r.prompts[i] for i in range(len(r)) if int(r.group_ids[i]) in fresh_only}
+
+
+def _rewrite_checkpoint(ckpt, edit_config):
+    """Edit a checkpoint's trainer_config.json as an older trl_flow wrote it, and re-seal its completion marker."""
+    import hashlib
+    import json
+
+    path = ckpt / "trainer_config.json"
+    saved = json.loads(path.read_text())
+    edit_config(saved)
+    path.write_text(json.dumps(saved))
+    marker_file = ckpt / "checkpoint_complete.json"
+    marker = json.loads(marker_file.read_text())
+    marker["files"]["trainer_config.json"] = {"size": path.stat().st_size,
+                                              "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    marker_file.write_text(json.dumps(marker))
+
+
+def test_checkpoint_of_the_old_meaning_is_refused_unless_asked_for(tmp_path):
+    kw = dict(learning_rate=1e-2, prompts_per_step=2, num_generations=2, save_steps=2, truncation_step=None)
+    old = make_trainer(tmp_path / "run", max_steps=2, replay_unit="group", off_policy_fraction=0.5, **kw)
+    old.train()
+    ckpt = tmp_path / "run" / "checkpoint-2"
+
+    def as_before_issue_38(saved):  # no replay_unit / truncation_fraction; the default k_off was K // 2
+        del saved["replay_unit"], saved["truncation_fraction"]
+        saved["truncation_step"] = K // 2
+
+    _rewrite_checkpoint(ckpt, as_before_issue_38)
+    new = make_trainer(tmp_path / "run", max_steps=4, **kw)
+    before = lora_params(new)
+    with pytest.raises(ValueError, match=r"no `replay_unit`.*replay_unit=group truncation_step=2"):
+        new.train(resume_from_checkpoint=str(ckpt))
+    after = lora_params(new)
+    assert all(torch.equal(before[n], after[n]) for n in before)  # refused before anything was loaded
+    # asked for explicitly, the old meaning resumes (the buffer was written with k_off = 2: same meaning)
+    kw["truncation_step"] = K // 2
+    same = make_trainer(tmp_path / "run", max_steps=4, replay_unit="group", off_policy_fraction=0.5, **kw)
+    same.train(resume_from_checkpoint=str(ckpt))
+    assert same.state.global_step == 4 and same.replay_buffer.per_prompt == 1

@@ -1,9 +1,10 @@
 """High-quality replay buffer for OP-GRPO (arXiv 2604.04142), persisted with `datasets`.
 
 From every group of G trajectories sampled for one prompt, the trainer offers its highest-reward trajectories
-(`ReplayEntry`; one under ``replay_unit="group"``, the best ``per_prompt`` under ``"sample"``) to the buffer. The buffer keeps what is needed to re-train that trajectory off-policy: the states
-`x_0 .. x_{k_off}`, the behaviour log-probs of steps `0 .. k_off-1`, the sigma of every stored state, the reward,
-the prompt (plus its other dataset columns) and the iteration that produced it.
+(`ReplayEntry`; one under ``replay_unit="group"``, the best ``per_prompt`` under ``"sample"``) to the buffer.
+The buffer keeps what is needed to re-train a trajectory off-policy: the states `x_0 .. x_{k_off}`, the behaviour
+log-probs of steps `0 .. k_off-1`, the sigma of every stored state, the reward, the prompt (plus its other dataset
+columns) and the iteration that produced it.
 
 The paper does not publish its decay constant, capacity or replacement rule. This module uses the following
 documented rules.
@@ -70,9 +71,9 @@ Persistence
     Reload is bit-exact. The buffer's own config (capacity, decay, sampling, per_prompt, reward statistics, states
     shape, counters) is stored as JSON in ``info.description`` (format version 2; version 1, written before
     ``per_prompt`` existed, is a one-entry-per-prompt buffer: it loads as ``per_prompt=1``, or, when a larger
-    ``per_prompt`` is passed, is converted explicitly with a warning); `save_to_disk`/`load_from_disk` keep it. The Hub drops
-    ``info.description``: `from_dataset` of a dataset without that metadata takes the config from its keyword
-    arguments and seeds the reward statistics from the stored rewards (with a warning).
+    ``per_prompt`` is passed, is converted explicitly with a warning); `save_to_disk`/`load_from_disk` keep it.
+    The Hub drops ``info.description``: `from_dataset` of a dataset without that metadata takes the config from
+    its keyword arguments and seeds the reward statistics from the stored rewards (with a warning).
 """
 
 from __future__ import annotations
@@ -316,7 +317,8 @@ class ReplayBuffer:
         """Offer a candidate (normally the best trajectory of a group, produced at ``step == now``).
 
         Inserts, replaces the same prompt's lowest entry, evicts the lowest-priority entry, or rejects (also a
-        duplicate of a stored trajectory), per the module docstring. The stored entry is a detached CPU copy. Returns whether the candidate was stored.
+        duplicate of a stored trajectory), per the module docstring. The stored entry is a detached CPU copy.
+        Returns whether the candidate was stored.
 
         Raises:
             TypeError / ValueError: malformed entry (wrong types, dtype other than float32, inconsistent
