@@ -52,7 +52,8 @@ def test_a_finished_run_without_checkpoints_is_never_silently_replaced(tmp_path,
 
     third = _trainer(tmp_path, fresh_pipe, max_steps=1, seed=7, overwrite_output_dir=True)
     third.train()
-    assert not lora.exists() and not (out / "samples").exists()  # the old run's files are gone, none mixes in
+    assert not (out / "samples").exists()  # the old run's files are gone, none mixes in
+    assert lora.read_bytes() != saved  # the final LoRA is the third run's (train() saves it)
     assert [json.loads(line)["step"] for line in (out / "log_history.jsonl").read_text().splitlines()] == [1]
     third.train()  # the same trainer again: its own outputs are not "an earlier run"
 
@@ -60,12 +61,18 @@ def test_a_finished_run_without_checkpoints_is_never_silently_replaced(tmp_path,
 def test_overwrite_removes_the_earlier_runs_checkpoints(tmp_path, fresh_pipe):
     out = tmp_path / "out"
     _trainer(tmp_path, fresh_pipe, max_steps=2, save_steps=1).train()
-    assert sorted(os.listdir(out)) == ["checkpoint-1", "checkpoint-2", "log_history.jsonl"]
+    assert _names(out) == ["checkpoint-1", "checkpoint-2", "log_history.jsonl", checkpoints.LORA_WEIGHT_NAME]
     with pytest.raises(ValueError, match="checkpoint-1, checkpoint-2, log_history.jsonl.*resume_from_checkpoint=True"):
         _trainer(tmp_path, fresh_pipe, max_steps=1).train()
     (out / "notes.txt").write_text("mine")
     _trainer(tmp_path, fresh_pipe, max_steps=1, save_steps=1, overwrite_output_dir=True).train()
-    assert sorted(os.listdir(out)) == ["checkpoint-1", "log_history.jsonl", "notes.txt"]  # only trl_flow's files
+    assert _names(out) == ["checkpoint-1", "log_history.jsonl", "notes.txt",  # only trl_flow's files were removed
+                           checkpoints.LORA_WEIGHT_NAME]
+
+
+def _names(out) -> list[str]:
+    """The folder's entries but the hidden run lock ``.trl_flow.lock``."""
+    return sorted(n for n in os.listdir(out) if n != ".trl_flow.lock")
 
 
 # ---------------------------------------------------------------------------------------------- item 7: resume

@@ -391,8 +391,6 @@ def run(command: str, argv: list[str]):
     pipe = _load_pipeline(script_args, config)
     trainer = trainer_cls(config, pipe, reward_funcs, train_dataset=train, eval_dataset=evald)
     trainer.train()
-    if not config.push_to_hub:  # push_to_hub saves the model itself
-        trainer.save_model(config.output_dir)
     return trainer
 
 
@@ -459,9 +457,11 @@ def main(argv: list[str] | None = None) -> int:
     except CLIError as e:
         print(f"trl-flow {command}: error: {cli_form(e, _field_names(command))}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"trl-flow {command}: interrupted; continue from the newest complete checkpoint with "
-              "--resume_from_checkpoint True (same --output_dir)", file=sys.stderr)
+    except KeyboardInterrupt as e:  # the trainer's message says what is on disk (a checkpoint, or none)
+        said = cli_form(e, _field_names(command)) if str(e) else (
+            "see the output above for the newest complete checkpoint; --resume_from_checkpoint True (same "
+            "--output_dir) continues from it")
+        print(f"trl-flow {command}: interrupted; {said}", file=sys.stderr)
         return 130
     except _USER_ERRORS as e:
         if os.environ.get("TRL_FLOW_TRACEBACK"):

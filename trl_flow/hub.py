@@ -1,11 +1,13 @@
 """Pushing a trained model to the Hugging Face Hub: a complete model card and only the files a user needs.
 
-:func:`push_to_hub` saves the model (``save_model``: the LoRA, or the whole pipeline for full fine-tuning) into
-``output_dir``, samples a before/after grid, writes ``README.md`` (``huggingface_hub.ModelCard`` from
+:func:`push_to_hub` first makes sure the model is saved in ``output_dir`` (``save_model``: the LoRA, or the whole
+pipeline for full fine-tuning; ``train()`` has already saved it), so a Hub failure never costs the weights. It then
+samples a before/after grid, writes ``README.md`` (``huggingface_hub.ModelCard`` from
 ``trl_flow/templates/model_card.md``, tags and library through diffusers' ``populate_model_card``) and uploads
 exactly those files with ``HfApi.upload_folder(allow_patterns=...)``: never checkpoints, tracker folders, logs or
 sample folders. The card holds the base model's Hub id (never a local path), the license, the method's paper
-citation, every config field, the rewards, the final metrics and the library versions.
+citation, every config field, the rewards, the final metrics and the library versions. A failed upload raises
+``RuntimeError`` saying where the model is and the ``hf upload`` command (and the Python call) that pushes it later.
 
 :func:`check_hub_access` fails fast, once, when the Hub cannot be used (``HF_HUB_OFFLINE``, no token, no network):
 the trainer calls it at construction when ``push_to_hub=True``, so a run does not train for hours and then fail.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import warnings
 from importlib import metadata
@@ -64,13 +67,14 @@ FLOW_GRPO_ARXIV = "2505.05470"
 
 
 # ------------------------------------------------------------------------------------------------ access
-def check_hub_access(accelerator=None) -> None:
+def check_hub_access(accelerator=None, hint: bool = True) -> None:
     """Raise ``RuntimeError`` now if pushing cannot work: ``HF_HUB_OFFLINE`` is set, there is no token, or the Hub
     does not answer / rejects the token. One ``whoami`` request, no retries. With several processes the main process
-    checks and every process raises (none is left waiting in a collective)."""
+    checks and every process raises (none is left waiting in a collective). ``hint``: end the message with the
+    ``push_to_hub=False`` advice (before training; not after it)."""
     error = None
     if accelerator is None or accelerator.is_main_process:
-        error = _hub_access_error()
+        error = _hub_access_error(hint)
     if accelerator is not None and accelerator.num_processes > 1:
         from accelerate.utils import broadcast_object_list
 
@@ -81,10 +85,14 @@ def check_hub_access(accelerator=None) -> None:
         raise RuntimeError(error)
 
 
-def _hub_access_error() -> str | None:
+def _one_line(error: BaseException, limit: int = 300) -> str:
+    return " ".join(str(error).split())[:limit]
+
+
+def _hub_access_error(hint: bool = True) -> str | None:
     from huggingface_hub import HfApi, constants, get_token
 
-    hint = "or set push_to_hub=False (save_model() writes the model locally)"
+    hint = "or set push_to_hub=False (save_model() writes the model locally)" if hint else "then push again"
     if constants.HF_HUB_OFFLINE:
         return f"push_to_hub: HF_HUB_OFFLINE is set, so nothing can be uploaded; unset HF_HUB_OFFLINE {hint}"
     if get_token() is None:
@@ -92,8 +100,8 @@ def _hub_access_error() -> str | None:
     try:
         HfApi().whoami()
     except Exception as e:  # no network, DNS failure, proxy, rejected token: all end the same way
-        return (f"push_to_hub: the Hub at {constants.ENDPOINT} cannot be used ({type(e).__name__}: {e}); check the "
-                f"network and the token, {hint}")
+        return (f"push_to_hub: the Hub at {constants.ENDPOINT} cannot be used ({type(e).__name__}: {_one_line(e)}); "
+                f"check the network and the token, {hint}")
     return None
 
 
@@ -299,36 +307,76 @@ def upload_patterns(trainer, include_replay_buffer: bool) -> list[str]:
 
 def push_to_hub(trainer, commit_message: str = "End of training", private: bool | None = None,
                 include_replay_buffer: bool | None = None) -> str:
-    """Save, card and upload ``trainer``'s model to ``config.hub_model_id`` (default: the output folder's name).
+    """Save (unless already saved), card and upload ``trainer``'s model to ``config.hub_model_id`` (default: the
+    output folder's name).
 
     Call it on every process (the model is saved and sampled collectively); the main process uploads. Returns the
-    repository id."""
-    from huggingface_hub import HfApi
-
+    repository id. Any failure after the save raises ``RuntimeError`` on every process with :func:`push_later`'s
+    instructions: the model, card and grid stay in ``output_dir``."""
     cfg, acc = trainer.config, trainer.accelerator
     include = cfg.hub_include_replay_buffer if include_replay_buffer is None else include_replay_buffer
     if include and getattr(trainer, "replay_buffer", None) is None:
         raise ValueError(f"hub_include_replay_buffer: {type(trainer).__name__} keeps no replay buffer (OP-GRPO does)")
-    check_hub_access(acc)
-    trainer.save_model(cfg.output_dir)
-    prompts = card_prompts(trainer)
-    image, has_before = before_after(trainer, prompts)
+    trainer.save_model(cfg.output_dir)  # first, always: what follows needs the Hub, the weights must not
     repo_id = cfg.hub_model_id or os.path.basename(os.path.abspath(cfg.output_dir))
-    if acc.is_main_process:
-        api = HfApi()
-        base = base_model_id(trainer.pipe, cfg)
-        license = license_info(cfg, base)
-        repo_id = api.create_repo(repo_id, exist_ok=True,
-                                  private=private if private is not None else cfg.hub_private_repo).repo_id
-        os.makedirs(os.path.join(cfg.output_dir, os.path.dirname(GRID_PATH)), exist_ok=True)
-        image.save(os.path.join(cfg.output_dir, GRID_PATH))
-        if include:
-            buffer_dir = os.path.join(cfg.output_dir, BUFFER_DIR)
-            shutil.rmtree(buffer_dir, ignore_errors=True)
-            trainer.replay_buffer.save_to_disk(buffer_dir)
-        card = build_model_card(trainer, repo_id, base, license, prompts, has_before)
-        card.save(os.path.join(cfg.output_dir, "README.md"))
-        api.upload_folder(repo_id=repo_id, folder_path=cfg.output_dir, commit_message=commit_message,
-                          allow_patterns=upload_patterns(trainer, include))
+    private = private if private is not None else cfg.hub_private_repo
+    from .trainers.checkpoints import agree
+
+    try:
+        check_hub_access(acc, hint=False)
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    if error is None:
+        prompts = card_prompts(trainer)
+        image, has_before = before_after(trainer, prompts)  # every process (sharded models)
+        if acc.is_main_process:
+            try:
+                repo_id = _write_and_upload(trainer, repo_id, private, commit_message, include, prompts, image,
+                                            has_before)
+            except Exception as e:  # network, HTTP, auth: the model is on disk, say how to push it later
+                error = f"push_to_hub: the upload to {repo_id} failed ({type(e).__name__}: {_one_line(e)})"
+        error = agree(acc, error)
+    if error:
+        raise RuntimeError(f"{error}. {push_later(trainer, repo_id, include, private)}")
     acc.wait_for_everyone()
     return repo_id
+
+
+def _write_and_upload(trainer, repo_id, private, commit_message, include, prompts, image, has_before) -> str:
+    """Main process: grid, buffer and card into output_dir (before any Hub write, so a later push has them), then
+    create the repository and upload. Returns the repository id the Hub gives."""
+    from huggingface_hub import HfApi
+
+    cfg = trainer.config
+    api = HfApi()
+    os.makedirs(os.path.join(cfg.output_dir, os.path.dirname(GRID_PATH)), exist_ok=True)
+    image.save(os.path.join(cfg.output_dir, GRID_PATH))
+    if include:
+        buffer_dir = os.path.join(cfg.output_dir, BUFFER_DIR)
+        shutil.rmtree(buffer_dir, ignore_errors=True)
+        trainer.replay_buffer.save_to_disk(buffer_dir)
+    base = base_model_id(trainer.pipe, cfg)
+    license = license_info(cfg, base)
+    card_path = os.path.join(cfg.output_dir, "README.md")
+    build_model_card(trainer, repo_id, base, license, prompts, has_before).save(card_path)
+    full_id = api.create_repo(repo_id, exist_ok=True, private=private).repo_id
+    if full_id != repo_id:  # the Hub added the namespace: the card's usage names the full id
+        build_model_card(trainer, full_id, base, license, prompts, has_before).save(card_path)
+    api.upload_folder(repo_id=full_id, folder_path=cfg.output_dir, commit_message=commit_message,
+                      allow_patterns=upload_patterns(trainer, include))
+    return full_id
+
+
+def push_later(trainer, repo_id: str, include_replay_buffer: bool = False, private: bool | None = None) -> str:
+    """What a failed push says: where the model is, and the command (and Python call) that uploads exactly the
+    files :func:`push_to_hub` would have."""
+    cfg = trainer.config
+    folder = os.path.abspath(cfg.output_dir)
+    patterns = upload_patterns(trainer, include_replay_buffer)
+    model = (LORA_WEIGHT_NAME if cfg.finetune == "lora" else "model_index.json and the pipeline's component folders")
+    command = " ".join(["hf", "upload", shlex.quote(repo_id), shlex.quote(folder), "."]
+                       + [f"--include {shlex.quote(p)}" for p in patterns] + (["--private"] if private else []))
+    return (f"Nothing is lost: the trained model is saved in {folder} ({model}; the model card README.md and "
+            f"{GRID_PATH} too, when they could be written). Push it later with: {command} -- or in Python: "
+            f"HfApi().upload_folder(repo_id={repo_id!r}, folder_path={folder!r}, allow_patterns={patterns!r})")

@@ -2,8 +2,9 @@
 
 A method subclasses :class:`FlowRLTrainer` and implements ``compute_advantages`` and ``compute_loss`` (and, if its
 data source differs, ``make_rollout``). Everything else lives here: model and LoRA set-up, sampling, rewards,
-gathering across processes, the update loop with gradient accumulation, EMA, logging, evaluation, checkpoints,
-``save_model`` and ``push_to_hub``. The loop is our own, on ``accelerate``.
+gathering across processes, the update loop with gradient accumulation, EMA, logging, evaluation. The training
+loop (with the final save and push) is in ``train_loop.py``, checkpoints in ``checkpoints.py``; both are our own, on
+``accelerate``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from ..rewards import RewardError, compute_rewards, validate_reward_funcs
 from ..rewards.scheduling import OverlappedScoring, collect_scores
 from ..rollout import Rollout, sample_trajectories, step_samplers
 from .. import memory
-from . import checkpoints, distributed, guards, tracking
+from . import checkpoints, distributed, guards, tracking, train_loop
 from . import output_dir as run_dir
 from .base_config import FlowRLConfig
 from .checkpoints import LORA_WEIGHT_NAME, TrainerState  # noqa: F401  (re-exported)
@@ -486,62 +487,10 @@ class FlowRLTrainer:
 
     # --------------------------------------------------------------------------------------------- loop
     def train(self, resume_from_checkpoint: str | bool | None = None):
-        """Run ``max_steps`` iterations. ``resume_from_checkpoint``: a checkpoint folder, or True / "latest" for
-        the newest ``checkpoint-*`` in ``output_dir``. Returns the trainer state."""
-        from tqdm.auto import tqdm
-
-        cfg, acc = self.config, self.accelerator
-        resume = resume_from_checkpoint if resume_from_checkpoint is not None else cfg.resume_from_checkpoint
-        run_dir.prepare(self, resume)  # resume, or refuse / (overwrite_output_dir) clear an earlier run's outputs
-        if cfg.report_to:
-            acc.init_trackers(cfg.run_name or self._method_name, config=_flat_config(cfg))
-        start = self.state.global_step
-        bar = tqdm(total=cfg.max_steps, initial=start, desc=self._method_name,
-                   disable=cfg.disable_tqdm or not acc.is_local_main_process)
-        if cfg.eval_steps and start == 0:
-            self.log(self.evaluate(), 0)
-        step = start
-        # SIGINT / SIGTERM are deferred to the end of the iteration, which is then saved: a checkpoint never holds
-        # part of an iteration. Anything raised mid-iteration (a failing reward, a second Ctrl-C) saves nothing.
-        guard = checkpoints.InterruptGuard(acc.print)
-        try:
-            with guard:
-                for step in range(start, cfg.max_steps):
-                    try:
-                        metrics = self.training_iteration(step)
-                    except RewardError as e:
-                        raise RewardError(f"iteration {step + 1}: {e}; {self._kept_checkpoint_note()}") from e
-                    except KeyboardInterrupt:
-                        acc.print(f"Interrupted during iteration {step + 1}: its partial update is discarded; "
-                                  f"{self._kept_checkpoint_note()}")
-                        raise
-                    self.state.global_step = step + 1
-                    self._no_reward.update(metrics, step)
-                    bar.update(1)
-                    bar.set_postfix(reward=f"{metrics.get('reward', float('nan')):.4g}")
-                    if (step + 1) % cfg.logging_steps == 0 or step + 1 == cfg.max_steps:
-                        self.log(metrics, step + 1)
-                    if cfg.eval_steps and ((step + 1) % cfg.eval_steps == 0 or step + 1 == cfg.max_steps):
-                        self.log(self.evaluate(), step + 1)
-                    if cfg.save_steps and ((step + 1) % cfg.save_steps == 0):
-                        self.save_checkpoint()
-                    signum = guard.stop_requested(acc)
-                    if signum:
-                        acc.print(f"Saved {self.save_checkpoint()} after iteration {step + 1}; stopping.")
-                        raise guard.exception(signum)
-        finally:
-            bar.close()
-        self.model.eval()
-        if cfg.push_to_hub:
-            self.push_to_hub()
-        if cfg.report_to:
-            acc.end_training()
-        return self.state
-
-    def _kept_checkpoint_note(self) -> str:
-        complete, _ = checkpoints.find_checkpoints(self.config.output_dir)
-        return (f"the newest complete checkpoint is {complete[-1].path}" if complete
-                else "no checkpoint was saved yet")
+        """Run ``max_steps`` iterations, then save the final model into ``output_dir`` (and push it when
+        ``push_to_hub``). ``resume_from_checkpoint``: a checkpoint folder, or True / "latest" for the newest
+        ``checkpoint-*`` in ``output_dir``. Returns the trainer state. The loop: :mod:`~trl_flow.trainers.train_loop`."""
+        return train_loop.train(self, resume_from_checkpoint)
 
     def training_iteration(self, step: int) -> dict[str, float]:
         """One iteration: rollout (with rewards), advantages, update. Returns its metrics."""
@@ -718,29 +667,27 @@ class FlowRLTrainer:
 
     # ------------------------------------------------------------------------------------- export, hub
     def save_model(self, output_dir: str | None = None) -> str:
-        """Write the trained weights in diffusers format (EMA weights if EMA is on).
+        """Write the trained weights in diffusers format (EMA weights if EMA is on), atomically: a failure or an
+        interrupt leaves ``output_dir`` as it was (:class:`~trl_flow.trainers.checkpoints.SaveError` names the folder
+        and the disk; the weights stay in memory for another try). ``train()`` already saves into ``output_dir``.
 
         LoRA: ``pytorch_lora_weights.safetensors`` via the pipeline's ``save_lora_weights``, with the adapter
         metadata (so ``lora_alpha != r`` round-trips): ``pipe.load_lora_weights(output_dir)`` works.
         Full fine-tuning: the whole pipeline via ``save_pretrained``.
         Under FSDP every process gathers the sharded weights and the main process writes the same files.
         """
-        target = output_dir or self.config.output_dir
-        run_dir.check_writable(target, "save_model(output_dir)")
-        return distributed.save_model(self, target)
+        return train_loop.save_model(self, output_dir)
 
     def push_to_hub(self, commit_message: str = "End of training", private: bool | None = None,
                     include_replay_buffer: bool | None = None) -> str:
-        """Save the model and upload it to ``hub_model_id`` with a model card: see :func:`trl_flow.hub.push_to_hub`."""
+        """Save the model (unless ``train()`` did), then upload it to ``hub_model_id`` with a model card; a failed
+        upload says where the model is and how to push it later: see :func:`trl_flow.hub.push_to_hub`."""
         from ..hub import push_to_hub
 
         return push_to_hub(self, commit_message=commit_message, private=private,
                            include_replay_buffer=include_replay_buffer)
 
     paper = ""
-
-
-_flat_config = checkpoints.flat_config
 
 
 def _nanmean(t: torch.Tensor) -> float:

@@ -24,6 +24,7 @@ accelerate's optimizer, RNG and grad-scaler files are read with ``torch.load(wei
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import math
@@ -49,6 +50,13 @@ EMA_WEIGHTS_NAME = "ema.safetensors"
 EMA_STATE_NAME = "ema.json"
 TMP_SUFFIX = ".tmp"
 TRASH_SUFFIX = ".deleting"
+#: Where save_model writes before putting the files in place (inside an existing target folder), and the suffix of
+#: the temporary sibling folder of a target that does not exist yet.
+SAVE_TMP_NAME = ".trl_flow_save.tmp"
+SAVE_TMP_SUFFIX = ".trl_flow_save.tmp"
+#: A resumed run that starts before the newest checkpoint of its run moves the later ones (the abandoned branch)
+#: into ``abandoned-after-step-<n>-<time>``: nothing is deleted, and resume_from_checkpoint=True no longer sees them.
+ABANDONED_PREFIX = "abandoned-after-step-"
 _FORMAT = "trl_flow.checkpoint"
 
 #: Changing one of these on resume is refused: the checkpoint's weights, optimizer or stored trajectories would
@@ -222,9 +230,11 @@ def verify_files(info: CheckpointInfo) -> None:
 
 
 def clean_leftovers(output_dir: str) -> None:
-    """Delete the ``.tmp`` folders of interrupted saves and half-deleted rotated checkpoints (main process)."""
+    """Delete the ``.tmp`` folders of interrupted saves (checkpoints and ``save_model``) and half-deleted rotated
+    checkpoints (main process)."""
     if not os.path.isdir(output_dir):
         return
+    shutil.rmtree(os.path.join(output_dir, SAVE_TMP_NAME), ignore_errors=True)
     for name in os.listdir(output_dir):
         stem = name[: -len(TMP_SUFFIX)] if name.endswith(TMP_SUFFIX) else (
             name[: -len(TRASH_SUFFIX)] if name.endswith(TRASH_SUFFIX) else None)
@@ -246,6 +256,141 @@ def rotate(output_dir: str, run_id: str, limit: int | None) -> list[str]:
         shutil.rmtree(trash, ignore_errors=True)
         deleted.append(c.path)
     return deleted
+
+
+def kept_note(output_dir: str) -> str:
+    """What a stopped run leaves to resume from: the newest complete checkpoint, or that there is none."""
+    complete, _ = find_checkpoints(output_dir)
+    if complete:
+        return f"the newest complete checkpoint is {complete[-1].path} (continue with resume_from_checkpoint=True)"
+    return f"no checkpoint was saved in {output_dir}, so there is nothing to resume from"
+
+
+def set_aside_later(output_dir: str, run_id: str, step: int) -> tuple[str | None, list[str]]:
+    """A run resumed at ``step`` owns the steps after it: move the complete checkpoints of run ``run_id`` with a
+    larger step (the abandoned branch) into ``output_dir/abandoned-after-step-<step>-<time>/`` (renames: nothing is
+    deleted or copied). Returns (that folder, the names moved), or (None, [])."""
+    later = [c for c in find_checkpoints(output_dir)[0] if c.run_id == run_id and c.step > step]
+    if not later:
+        return None, []
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    dest = os.path.join(output_dir, f"{ABANDONED_PREFIX}{step}-{stamp}")
+    n = 1
+    while os.path.exists(dest):
+        n += 1
+        dest = os.path.join(output_dir, f"{ABANDONED_PREFIX}{step}-{stamp}-{n}")
+    os.makedirs(dest)
+    names = []
+    for c in sorted(later, key=lambda c: c.step):
+        name = os.path.basename(c.path)
+        os.replace(c.path, os.path.join(dest, name))
+        names.append(name)
+    return dest, names
+
+
+# ------------------------------------------------------------------------------------------------ write errors
+class SaveError(RuntimeError):
+    """Writing a checkpoint or the final model failed (disk full, permissions, ...): the message says which folder,
+    on which disk, and what is intact."""
+
+
+def disk_note(path: str) -> str:
+    """``the disk mounted at /mnt (123 MiB free)`` for the disk holding ``path`` (or its nearest existing parent)."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    mount = probe
+    while not os.path.ismount(mount) and os.path.dirname(mount) != mount:
+        mount = os.path.dirname(mount)
+    try:
+        free = f"{shutil.disk_usage(probe).free / 2**20:.0f} MiB free"
+    except OSError:
+        free = "free space unknown"
+    return f"the disk mounted at {mount} ({free})"
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """An ``OSError`` ENOSPC / EDQUOT, or what torch's zip writer and safetensors say when a write comes up short."""
+    for e in (error, error.__cause__, error.__context__):
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(e or "")
+        if any(s in text for s in ("No space left", "unexpected pos", "file write failed", "Disk quota")):
+            return True
+    return False
+
+
+def describe_write_error(folder: str, error: BaseException) -> str:
+    """``the disk mounted at / (12 MiB free) is full`` or ``<disk>: OSError: ...`` for a failed write into
+    ``folder``."""
+    where = disk_note(folder)
+    if is_disk_full(error):
+        return f"{where} is full ({type(error).__name__}: {str(error).strip().splitlines()[0][:200]})"
+    return f"{type(error).__name__}: {str(error).strip()[:300]} ({where})"
+
+
+def agree(accelerator, error: str | None) -> str | None:
+    """The first error message any process has (every process calls this; with one process a no-op)."""
+    if accelerator.num_processes == 1:
+        return error
+    from accelerate.utils import gather_object
+
+    return next((e for e in gather_object([error]) if e), None)
+
+
+def _fsync_tree(folder: str) -> None:
+    for root, _, names in os.walk(folder):
+        for name in names:
+            with open(os.path.join(root, name), "rb+") as f:
+                os.fsync(f.fileno())
+
+
+def write_atomically(target: str, write, last: tuple[str, ...] = ("model_index.json",)) -> None:
+    """``write(folder)`` into a temporary folder, then put the result at ``target`` so that a kill or a failed
+    write never leaves part of it there.
+
+    - ``target`` missing or empty: the temporary folder is its sibling (same disk), renamed to ``target`` at the end.
+    - ``target`` an existing folder (e.g. the run's output_dir): the files are written into
+      ``target/.trl_flow_save.tmp`` and moved into place by ``os.replace``, one name at a time (a file replaces the
+      old one atomically; a folder replaces the old one by two renames); a name in ``last`` (a pipeline's
+      ``model_index.json``) is removed first and put in place last, so a half-replaced pipeline never loads.
+
+    A failure (or a KeyboardInterrupt) while writing removes the temporary folder and re-raises; ``target`` is then
+    as it was."""
+    target = os.path.abspath(target)
+    if not os.path.isdir(target) or not os.listdir(target):
+        tmp = os.path.join(os.path.dirname(target), "." + os.path.basename(target) + SAVE_TMP_SUFFIX)
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            os.makedirs(tmp)
+            write(tmp)
+            _fsync_tree(tmp)
+            os.replace(tmp, target)  # an empty folder is replaced too
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return
+    tmp = os.path.join(target, SAVE_TMP_NAME)
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        os.makedirs(tmp)
+        write(tmp)
+        _fsync_tree(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    names = sorted(os.listdir(tmp), key=lambda n: n in last)
+    for name in last:
+        if name in names and os.path.isfile(os.path.join(target, name)):
+            os.remove(os.path.join(target, name))
+    old = os.path.join(tmp, ".old")
+    for name in names:
+        src, dst = os.path.join(tmp, name), os.path.join(target, name)
+        if os.path.isdir(dst) and not os.path.islink(dst):
+            os.makedirs(old, exist_ok=True)
+            os.replace(dst, os.path.join(old, name))
+        os.replace(src, dst)
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------------------ save / load
@@ -342,7 +487,9 @@ def _trainable_names(trainer) -> list[str]:
 
 def save_checkpoint(trainer) -> str:
     """Write ``output_dir/checkpoint-<global_step>`` kill-safely (see the module docstring). Called by every
-    process; returns the path. A complete checkpoint of this run at this step is never rewritten."""
+    process; returns the path. A complete checkpoint of this run at this step is never rewritten. A failed write
+    (disk full, ...) removes the partial ``.tmp`` folder and raises :class:`SaveError` on every process, naming the
+    disk, the checkpoint, and the previous checkpoint, which is intact."""
     cfg, acc, state = trainer.config, trainer.accelerator, trainer.state
     final = os.path.join(cfg.output_dir, f"checkpoint-{state.global_step}")
     tmp = final + TMP_SUFFIX
@@ -353,34 +500,37 @@ def save_checkpoint(trainer) -> str:
             return final
         except ValueError:
             pass
+    error = None
     if acc.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    acc.wait_for_everyone()
-    acc.save_state(tmp)  # model (LoRA via the pre-hook), optimizer, RNG states, grad scaler; FSDP: sharded by accelerate
-    ema_full = None if trainer.ema is None else distributed.full_tensors(trainer.ema.shadow_params)  # a collective
-    acc.wait_for_everyone()
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        except OSError as e:
+            error = describe_write_error(tmp, e)
+    error = agree(acc, error)
+    if error is None:
+        try:  # model (LoRA via the pre-hook), optimizer, RNG states, grad scaler; FSDP: sharded by accelerate
+            acc.save_state(tmp)
+        except (OSError, RuntimeError) as e:
+            error = describe_write_error(tmp, e)
+        ema_full = None if trainer.ema is None else distributed.full_tensors(trainer.ema.shadow_params)  # collective
+        acc.wait_for_everyone()
+        if acc.is_main_process and error is None:
+            try:
+                _write_own_files(trainer, tmp, ema_full)
+            except (OSError, RuntimeError) as e:
+                error = describe_write_error(tmp, e)
+        error = agree(acc, error)
+    if error is not None:
+        if acc.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)  # frees the space the partial save took
+        acc.wait_for_everyone()
+        complete = [c for c in find_checkpoints(cfg.output_dir)[0] if os.path.basename(c.path) != os.path.basename(final)]
+        previous = (f"the previous checkpoint, {complete[-1].path}, is intact (resume_from_checkpoint=True continues "
+                    "from it once the disk has room)" if complete else "no earlier checkpoint exists")
+        raise SaveError(f"checkpoint-{state.global_step}: writing it into {cfg.output_dir} failed: {error}; its "
+                        f"partial folder was removed, and {previous}")
     if acc.is_main_process:
-        _write_json(os.path.join(tmp, SCHEDULER_NAME), trainer.lr_scheduler.state_dict())
-        _write_json(os.path.join(tmp, STATE_NAME), state.state_dict())
-        _write_json(os.path.join(tmp, CONFIG_NAME), flat_config(cfg))
-        if trainer.ema is not None:
-            _ema_save(trainer.ema, _trainable_names(trainer), tmp, ema_full)
-        trainer.save_extra_state(tmp)
-        files = {}
-        for root, _, names in os.walk(tmp):
-            for name in sorted(names):
-                p = os.path.join(root, name)
-                with open(p, "rb+") as f:
-                    os.fsync(f.fileno())
-                files[os.path.relpath(p, tmp)] = {"size": os.path.getsize(p), "sha256": _sha256(p)}
-        marker = {"format": _FORMAT, "version": 1, "run_id": state.run_id, "step": state.global_step,
-                  "method": trainer._method_name, "trainer_class": type(trainer).__name__, "time": time.time(),
-                  "num_processes": acc.num_processes, "distributed_type": acc.distributed_type.value, "files": files}
-        with open(os.path.join(tmp, COMPLETE_NAME), "w", encoding="utf-8") as f:
-            json.dump(marker, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
         if os.path.exists(final):  # another run's (overwrite_output_dir) or an incomplete folder of that name
             shutil.rmtree(final + TRASH_SUFFIX, ignore_errors=True)
             os.replace(final, final + TRASH_SUFFIX)
@@ -389,6 +539,32 @@ def save_checkpoint(trainer) -> str:
         rotate(cfg.output_dir, state.run_id, cfg.save_total_limit)
     acc.wait_for_everyone()
     return final
+
+
+def _write_own_files(trainer, tmp: str, ema_full) -> None:
+    """The main process's part of a checkpoint: scheduler, state, config, EMA, the method's extra state, then the
+    completion marker with every file's size and sha256 (all fsynced)."""
+    cfg, acc, state = trainer.config, trainer.accelerator, trainer.state
+    _write_json(os.path.join(tmp, SCHEDULER_NAME), trainer.lr_scheduler.state_dict())
+    _write_json(os.path.join(tmp, STATE_NAME), state.state_dict())
+    _write_json(os.path.join(tmp, CONFIG_NAME), flat_config(cfg))
+    if trainer.ema is not None:
+        _ema_save(trainer.ema, _trainable_names(trainer), tmp, ema_full)
+    trainer.save_extra_state(tmp)
+    files = {}
+    for root, _, names in os.walk(tmp):
+        for name in sorted(names):
+            p = os.path.join(root, name)
+            with open(p, "rb+") as f:
+                os.fsync(f.fileno())
+            files[os.path.relpath(p, tmp)] = {"size": os.path.getsize(p), "sha256": _sha256(p)}
+    marker = {"format": _FORMAT, "version": 1, "run_id": state.run_id, "step": state.global_step,
+              "method": trainer._method_name, "trainer_class": type(trainer).__name__, "time": time.time(),
+              "num_processes": acc.num_processes, "distributed_type": acc.distributed_type.value, "files": files}
+    with open(os.path.join(tmp, COMPLETE_NAME), "w", encoding="utf-8") as f:
+        json.dump(marker, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def load_checkpoint(trainer, resume) -> CheckpointInfo:
@@ -416,6 +592,7 @@ def load_checkpoint(trainer, resume) -> CheckpointInfo:
             notices.append("ema_decay > 0 but the checkpoint has no EMA: the EMA starts from the current weights")
             trainer.ema.shadow_params = [p.detach().clone() for p in trainer.trainable_params]
     trainer.load_extra_state(info.path)
+    trainer._saved_model = None  # other weights now: save_model writes again
     if any(saved_cfg.get(k) != flat_config(cfg).get(k) for k in OPTIMIZER_FIELDS + ("max_steps",)):
         apply_optimizer_settings(trainer.optimizer, trainer.lr_scheduler, cfg)
         if saved_cfg.get("max_steps") != cfg.max_steps and cfg.lr_scheduler_type not in ("constant",

@@ -251,22 +251,36 @@ def check_resume(trainer, path: str, saved_processes: int | None) -> None:
 
 # ------------------------------------------------------------------------------------------------ export
 def save_model(trainer, output_dir: str) -> str:
-    """See :meth:`FlowRLTrainer.save_model`; under FSDP every process gathers, the main one writes."""
+    """See :meth:`FlowRLTrainer.save_model`; under FSDP every process gathers, the main one writes.
+
+    The main process writes atomically (:func:`~trl_flow.trainers.checkpoints.write_atomically`): a failure or an
+    interrupt leaves ``output_dir`` as it was. A failed write raises
+    :class:`~trl_flow.trainers.checkpoints.SaveError` on every process, naming the folder and the disk."""
+    from .checkpoints import SaveError, agree, describe_write_error, write_atomically
+
     acc = trainer.accelerator
     acc.wait_for_everyone()
     model = acc.unwrap_model(trainer.model)
+    error = cause = None
     with trainer.ema_weights():
         if trainer.config.finetune == "lora":
             sd = lora_state_dict(trainer)
-            if acc.is_main_process:
-                os.makedirs(output_dir, exist_ok=True)
-                trainer.adapter.save_lora_weights(output_dir, sd, model.peft_config["default"].to_dict())
+            meta = model.peft_config["default"].to_dict()
+            write = lambda folder: trainer.adapter.save_lora_weights(folder, sd, meta)  # noqa: E731
         elif is_fsdp(acc):
             sd = acc.get_state_dict(trainer.model)  # full weights on the main process (a collective)
-            if acc.is_main_process:
-                _save_pipeline_with(trainer.pipe, model, sd, output_dir)
-        elif acc.is_main_process:
-            trainer.pipe.save_pretrained(output_dir)
+            write = lambda folder: _save_pipeline_with(trainer.pipe, model, sd, folder)  # noqa: E731
+        else:
+            write = trainer.pipe.save_pretrained
+        if acc.is_main_process:
+            try:
+                write_atomically(output_dir, write)
+            except Exception as e:  # OSError, torch's RuntimeError, safetensors' own error type
+                error, cause = describe_write_error(output_dir, e), e
+    error = agree(acc, error)
+    if error is not None:
+        raise SaveError(f"save_model: writing the model into {output_dir} failed: {error}; nothing of this save was "
+                        f"kept ({output_dir} holds what it held before)") from cause
     acc.wait_for_everyone()
     return output_dir
 

@@ -1,0 +1,154 @@
+"""The training loop of every trainer: lock and prepare ``output_dir``, iterate, checkpoint, evaluate, save the
+final model, push.
+
+After each iteration, in this order: log; ``checkpoint-<step>`` at save steps; the final model into ``output_dir``
+after the last iteration; the evaluation when due; then a deferred SIGINT / SIGTERM is honoured. Saving comes
+before evaluating, so an evaluation that fails never costs the checkpoint or the final model of its step; a run
+resumed at a step whose evaluation is due and missing from the restored log evaluates first. The final model is
+saved locally before any push, so a Hub failure never costs the weights. SIGINT / SIGTERM stay deferred during the
+final save: a first signal lets it finish.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..rewards import RewardError
+from . import checkpoints
+from . import output_dir as run_dir
+
+
+def train(trainer, resume_from_checkpoint=None):
+    """:meth:`FlowRLTrainer.train`."""
+    cfg, acc = trainer.config, trainer.accelerator
+    resume = resume_from_checkpoint if resume_from_checkpoint is not None else cfg.resume_from_checkpoint
+    run_dir.check_writable(cfg.output_dir)
+    with run_dir.run_lock(trainer):  # a second run in this output_dir is refused here
+        run_dir.prepare(trainer, resume)  # resume, or refuse / (overwrite_output_dir) clear an earlier run's outputs
+        if cfg.report_to:
+            acc.init_trackers(cfg.run_name or trainer._method_name, config=checkpoints.flat_config(cfg))
+        try:
+            _iterate(trainer)
+            trainer.model.eval()
+            if cfg.push_to_hub:
+                trainer.push_to_hub()
+        finally:
+            if cfg.report_to:
+                acc.end_training()
+    return trainer.state
+
+
+def _iterate(trainer) -> None:
+    from tqdm.auto import tqdm
+
+    cfg, acc = trainer.config, trainer.accelerator
+    start = trainer.state.global_step
+    bar = tqdm(total=cfg.max_steps, initial=start, desc=trainer._method_name,
+               disable=cfg.disable_tqdm or not acc.is_local_main_process)
+    if _eval_due(cfg, start) and not _evaluated(trainer, start):
+        _evaluate(trainer, start)
+    # SIGINT / SIGTERM are deferred to the end of the iteration, which is then saved: a checkpoint never holds
+    # part of an iteration. Anything raised mid-iteration (a failing reward, a second Ctrl-C) saves nothing.
+    guard = checkpoints.InterruptGuard(acc.print)
+    try:
+        with guard:
+            for step in range(start, cfg.max_steps):
+                try:
+                    metrics = trainer.training_iteration(step)
+                except RewardError as e:
+                    raise RewardError(f"iteration {step + 1}: {e}; {_kept(trainer)}") from e
+                except KeyboardInterrupt:
+                    raise _interrupted(trainer, f"interrupted during iteration {step + 1}: its partial update is "
+                                                "discarded") from None
+                n = trainer.state.global_step = step + 1
+                trainer._no_reward.update(metrics, step)
+                bar.update(1)
+                bar.set_postfix(reward=f"{metrics.get('reward', float('nan')):.4g}")
+                if n % cfg.logging_steps == 0 or n == cfg.max_steps:
+                    trainer.log(metrics, n)
+                if cfg.save_steps and n % cfg.save_steps == 0:
+                    trainer.save_checkpoint()
+                if n == cfg.max_steps:
+                    save_final(trainer)
+                if _eval_due(cfg, n):
+                    _evaluate(trainer, n)
+                signum = guard.stop_requested(acc)
+                if signum:
+                    if n == cfg.max_steps:
+                        note = f"the final model is saved in {cfg.output_dir}" + (
+                            " (not pushed to the Hub)" if cfg.push_to_hub else "")
+                        acc.print(f"Training finished ({n} iterations): {note}; stopping.")
+                    else:
+                        note = f"saved {trainer.save_checkpoint()} after iteration {n}"
+                        acc.print(f"{note[0].upper()}{note[1:]}; stopping.")
+                    exc = guard.exception(signum)
+                    raise (KeyboardInterrupt(note + "; " + _kept(trainer)) if isinstance(exc, KeyboardInterrupt)
+                           else exc)
+            if start >= cfg.max_steps:  # resumed at the end: nothing to iterate, the final model is still saved
+                save_final(trainer)
+    finally:
+        bar.close()
+
+
+def _eval_due(cfg, n: int) -> bool:
+    return bool(cfg.eval_steps) and (n == 0 or n % cfg.eval_steps == 0 or n == cfg.max_steps)
+
+
+def _evaluated(trainer, n: int) -> bool:
+    return any(h.get("step") == n and "eval/reward" in h for h in trainer.state.log_history)
+
+
+def _evaluate(trainer, n: int) -> None:
+    try:
+        metrics = trainer.evaluate()
+    except RewardError as e:
+        raise RewardError(f"evaluation at iteration {n}: {e}; {_kept(trainer)}") from e
+    trainer.log(metrics, n)
+
+
+def _kept(trainer) -> str:
+    return checkpoints.kept_note(trainer.config.output_dir)
+
+
+def _interrupted(trainer, what: str) -> KeyboardInterrupt:
+    """A KeyboardInterrupt whose message says what is on disk (the command line prints it)."""
+    note = f"{what}; {_kept(trainer)}"
+    trainer.accelerator.print(note[0].upper() + note[1:])
+    return KeyboardInterrupt(note)
+
+
+# ---------------------------------------------------------------------------------------------- final model
+def save_final(trainer) -> None:
+    """Save the final model into ``output_dir`` (atomically; SIGINT / SIGTERM deferred by the loop's guard). A
+    failure or a second interrupt says what is and is not on disk; the trained weights stay in the trainer."""
+    out = trainer.config.output_dir
+    try:
+        trainer.save_model(out)
+    except checkpoints.SaveError as e:
+        raise checkpoints.SaveError(
+            f"{e}. The trained weights are still in this trainer's memory: make room, then call "
+            f"trainer.save_model() (from the command line they are lost when the process ends); on disk, "
+            f"{_kept(trainer)}") from e.__cause__
+    except KeyboardInterrupt:
+        raise _interrupted(trainer, f"interrupted while saving the final model: nothing of it was kept in {out} "
+                                    "(the save was atomic)") from None
+
+
+def save_model(trainer, output_dir: str | None = None) -> str:
+    """:meth:`FlowRLTrainer.save_model`: returns at once when this trainer already wrote the weights of the same
+    step into the same folder (``train()`` saves the final model; a later ``save_model()`` or ``push_to_hub()``
+    then writes nothing again)."""
+    target = output_dir or trainer.config.output_dir
+    main_file = checkpoints.LORA_WEIGHT_NAME if trainer.config.finetune == "lora" else run_dir.PIPELINE_INDEX
+    key = (os.path.realpath(target), trainer.state.global_step)
+    if getattr(trainer, "_saved_model", None) == key:  # the main process decides: it is the one that wrote
+        acc = trainer.accelerator
+        missing = None if not acc.is_main_process or os.path.isfile(os.path.join(target, main_file)) else "gone"
+        if checkpoints.agree(acc, missing) is None:
+            return target
+    run_dir.check_writable(target, "save_model(output_dir)")
+    from . import distributed
+
+    distributed.save_model(trainer, target)
+    trainer._saved_model = key
+    return target
