@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
+from .threads import CallTimeout, call_with_timeout
+
 RewardFunc = Callable[..., Sequence[float | None]]
 
 
@@ -112,17 +114,26 @@ def compute_rewards(
     images: torch.Tensor,
     prompts: list[str],
     columns: dict[str, list],
+    timeout: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Call every reward and combine: ``r = sum_i w_i r_i`` over the rewards that scored the sample.
 
     Returns the combined rewards (B,) float32 (NaN where no reward scored the sample) and each reward (B,).
-    A reward that raises or returns the wrong length raises a :class:`RewardError` naming it.
+    A reward that raises or returns the wrong length raises a :class:`RewardError` naming it. With ``timeout``
+    (seconds, the trainer's ``reward_timeout``), each reward runs in a daemon thread and one that has not returned
+    in time raises a :class:`RewardError` naming it and the limit (the call is abandoned: it cannot be stopped).
     """
     n = len(prompts)
     per_func = {}
     for func, name in zip(reward_funcs, names):
         try:
-            out = func(images.clone(), list(prompts), **{k: list(v) for k, v in columns.items()})
+            out = call_with_timeout(func, (images.clone(), list(prompts)), {k: list(v) for k, v in columns.items()},
+                                    timeout)
+        except CallTimeout:
+            raise RewardError(
+                f"reward function {name!r} did not return within reward_timeout={timeout:g} s (the call is left "
+                "running in a background thread); if it is only slow, raise --reward_timeout (0 = no limit) or "
+                "lower --per_device_reward_batch_size") from None
         except Exception as e:  # re-raise with the reward's name; nothing has been updated yet
             raise RewardError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
         per_func[name] = torch.tensor(call_scores(out, n, name), dtype=torch.float32)

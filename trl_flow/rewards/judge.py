@@ -15,10 +15,10 @@ import re
 import string
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 from .base import check_images
 from .remote import HTTPTransport, RemoteRewardError, _check_urls
+from .threads import DaemonPool
 from .wire import encode_images
 
 logger = logging.getLogger(__name__)
@@ -150,8 +150,8 @@ class VLMJudgeReward:
                              "frame per sample (e.g. images[:, 0]) or score frames separately")
         encoded = encode_images(images)
         rows = [{k: v[i] for k, v in columns.items()} for i in range(len(prompts))]
-        with ThreadPoolExecutor(min(self.num_workers, max(1, len(prompts)))) as pool:
-            results = list(pool.map(self._ask, encoded, prompts, rows))
+        with DaemonPool(min(self.num_workers, max(1, len(prompts))), "trl_flow-judge") as pool:
+            results = pool.map(lambda args: self._ask(*args), zip(encoded, prompts, rows))
         scores = [s for s, _ in results]
         bad = [t for s, t in results if s is None]
         with self._lock:

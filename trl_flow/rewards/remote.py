@@ -19,9 +19,9 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 from .base import check_images
+from .threads import DaemonPool
 from .wire import SCHEMA_VERSION, encode_images, parse_scores
 
 RETRYABLE_STATUS = frozenset({408, 429, 502, 503, 504})
@@ -196,6 +196,6 @@ class RemoteReward:
         if len(spans) <= 1:
             results = [send(i) for i in range(len(spans))]
         else:
-            with ThreadPoolExecutor(min(len(spans), len(self.urls))) as pool:
-                results = list(pool.map(send, range(len(spans))))
+            with DaemonPool(min(len(spans), len(self.urls)), "trl_flow-remote") as pool:
+                results = pool.map(send, range(len(spans)))
         return [s for r in results for s in r]

@@ -6,6 +6,7 @@ the results with :func:`collect_scores` when it scores the rollout. Decoding use
 sequential path and rewards are per-sample, so the images and rewards are the same as scoring after sampling;
 the difference is that a reward sees one microbatch per call, from a worker thread (rewards must be thread-safe
 when ``reward_num_workers > 1``). A reward that raises fails the iteration, naming itself, before any update.
+The workers are daemon threads (:mod:`.threads`): a reward that hangs in one never keeps the process alive.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
+
+from .threads import DaemonPool
 
 
 class OverlappedScoring:
@@ -30,11 +33,12 @@ class OverlappedScoring:
 
     def __init__(self, num_workers: int, decode: Callable, reward: Callable, prompts: list[str],
                  columns: dict[str, list], device: torch.device):
-        self.pool = ThreadPoolExecutor(num_workers, thread_name_prefix="trl_flow-reward")
+        self.pool = DaemonPool(num_workers, "trl_flow-reward")
         self.decode, self.reward = decode, reward
         self.prompts, self.columns = list(prompts), columns
         self.device = torch.device(device)
         self.jobs: list[tuple[int, int, Future]] = []
+        self.failed = False  # a job raised: the later ones do nothing (fail fast, and nothing runs on at exit)
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -52,14 +56,25 @@ class OverlappedScoring:
 
     def _work(self, states, prompts, columns):
         ctx = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
-        with ctx:  # the current CUDA device is per thread
-            images = self.decode(states)
-            t0 = time.perf_counter()
-            total, per_func = self.reward(images, prompts, columns)
-            return images, total, per_func, time.perf_counter() - t0
+        try:
+            with ctx:  # the current CUDA device is per thread
+                self._check_going()
+                images = self.decode(states)
+                self._check_going()
+                t0 = time.perf_counter()
+                total, per_func = self.reward(images, prompts, columns)
+                return images, total, per_func, time.perf_counter() - t0
+        except BaseException:
+            self.failed = True
+            raise
+
+    def _check_going(self) -> None:
+        if self.failed or self.pool.closed:
+            raise RuntimeError("overlapped scoring: stopped after an earlier failure")
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        """Cancel the queued jobs; never waits for a running one (a hung reward is left behind)."""
+        self.pool.shutdown()
 
 
 def collect_scores(pending: list[OverlappedScoring], n: int):

@@ -83,6 +83,7 @@ class FlowRLConfig:
     reward_weights: list[float] | None = field(default=None, metadata={"help": "One weight per reward function (default: all 1)."})
     scale_rewards: str = field(default="batch", metadata={"help": "Advantage std (the mean is always the group's): `batch` (default; std over the whole gathered batch, the reference SD3 recipes' global_std=True), `group` (std over the group, the paper's formula) or `none`."})
     reward_num_workers: int = field(default=0, metadata={"help": "Threads that decode and score each sampled microbatch while the next one is sampled (scores are the same; each reward call sees one microbatch, from a worker thread). 0: decode and score the whole batch after sampling."})
+    reward_timeout: float | None = field(default=900.0, metadata={"help": "Seconds one reward call (one reward function on one batch of per_device_reward_batch_size images) may take; a call still running then fails the iteration with a RewardError naming the reward, before any update, and the process can exit (a Python thread cannot be stopped: the call is left running in a background daemon thread). Default 900 (15 min), above a remote reward's own worst case (4 attempts of 120 s); 0 or None: no limit. The start-up check call, which also loads a reward model's weights, has no limit."})
     adv_clip_max: float = field(default=5.0, metadata={"help": "Advantages are clipped to +-adv_clip_max (> 0)."})
     # ---- evaluation, logging, checkpoints -------------------------------------------------------------------
     eval_steps: int = field(default=0, metadata={"help": "Evaluate every this many iterations (and before the first and after the last); 0 disables. Needs an eval_dataset."})
@@ -143,6 +144,9 @@ class FlowRLConfig:
         for name in ("beta", "weight_decay", "max_grad_norm", "adv_clip_max", "lora_dropout"):
             need(math.isfinite(getattr(self, name)) and getattr(self, name) >= 0, name, "must be a finite number >= 0")
         need(isinstance(self.reward_num_workers, int) and self.reward_num_workers >= 0, "reward_num_workers", "must be an integer >= 0 (0: score after sampling)")
+        need(self.reward_timeout is None or isinstance(self.reward_timeout, (int, float))
+             and not isinstance(self.reward_timeout, bool) and math.isfinite(self.reward_timeout)
+             and self.reward_timeout >= 0, "reward_timeout", "must be a finite number of seconds >= 0 (0 or None: no limit)")
         need(self.adv_clip_max > 0, "adv_clip_max", "must be > 0: 0 clips every advantage to 0 and nothing is trained")
         need(math.isfinite(self.lora_alpha) and self.lora_alpha > 0, "lora_alpha",
              "must be > 0: the LoRA update is scaled by lora_alpha / lora_r, so 0 never changes the model")

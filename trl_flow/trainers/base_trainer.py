@@ -318,10 +318,11 @@ class FlowRLTrainer:
 
     def reward(self, images, prompts, columns):
         """Every reward on ``images`` (B, 3, H, W), in calls of ``per_device_reward_batch_size`` images (default:
-        all). Returns the combined (B,) rewards and each reward's (B,)."""
+        all), each within ``reward_timeout`` seconds. Returns the combined (B,) rewards and each reward's (B,)."""
         bs = self.config.per_device_reward_batch_size or len(prompts)
         parts = [compute_rewards(self.reward_funcs, self.reward_names, self.reward_weights, images[lo : lo + bs],
-                                 prompts[lo : lo + bs], {k: v[lo : lo + bs] for k, v in columns.items()})
+                                 prompts[lo : lo + bs], {k: v[lo : lo + bs] for k, v in columns.items()},
+                                 timeout=self.config.reward_timeout)
                  for lo in range(0, len(prompts), max(bs, 1))]
         if len(parts) == 1:
             return parts[0]

@@ -1,0 +1,197 @@
+"""Rewards that hang and a reward server under load (issue 36): ``reward_timeout`` turns a hung reward into a
+RewardError naming it, before any update or save; a hung reward never keeps the process alive (after the error,
+or after two SIGTERMs); the reward server caps the decoded pixels of a request before decoding; the remote reward's
+timeout / retries / backoff can be set from the command line."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+
+from conftest import brightness
+from trl_flow import FlowGRPOConfig
+from trl_flow.rewards import RewardError, compute_rewards
+from trl_flow.rewards.threads import DaemonPool
+from trl_flow.trainers import checkpoints
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+# ------------------------------------------------------------------------------------------- reward_timeout
+def _hanging_reward(release: threading.Event, state: dict):
+    """A reward that scores normally until ``state["hang"]`` is set, then waits for ``release`` (forever)."""
+
+    def hangs(images, prompts, **columns):
+        if state.get("hang"):
+            state["hung"] = state.get("hung", 0) + 1
+            release.wait()
+        return brightness(images, prompts)
+
+    return hangs
+
+
+def _lora(trainer):
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_hung_reward_fails_the_iteration_naming_itself_and_the_timeout(make_trainer, tmp_path, workers):
+    release, state = threading.Event(), {}
+    tr = make_trainer(rewards=[_hanging_reward(release, state)], reward_timeout=1, reward_num_workers=workers,
+                      max_steps=3, save_steps=1)
+    saved = {}
+    save = tr.save_checkpoint
+
+    def save_and_hang_next():  # checkpoint-1 is written, then iteration 2's reward hangs
+        path = save()
+        saved.update(_lora(tr))
+        state["hang"] = True
+        return path
+
+    tr.save_checkpoint = save_and_hang_next
+    try:
+        with pytest.raises(RewardError, match=r"iteration 2: reward function 'hangs' did not return within "
+                                              r"reward_timeout=1 s.*--reward_timeout") as info:
+            tr.train()
+    finally:
+        release.set()  # let the abandoned call end
+    assert "checkpoint-1" in str(info.value)  # the error says what is kept
+    out = tr.config.output_dir
+    complete, incomplete = checkpoints.find_checkpoints(out)
+    assert [c.step for c in complete] == [1] and incomplete == []
+    checkpoints.verify_files(checkpoints.read_marker(complete[0].path))
+    assert state["hung"] >= 1 and tr.state.global_step == 1
+    now = _lora(tr)
+    assert all(torch.equal(saved[k], now[k]) for k in saved)  # the hung iteration changed no weight
+
+
+def test_reward_timeout_is_validated(tmp_path):
+    for bad in (-1, float("nan"), float("inf"), True, "10"):
+        with pytest.raises(ValueError, match="reward_timeout"):
+            FlowGRPOConfig(output_dir=str(tmp_path), reward_timeout=bad)
+    assert FlowGRPOConfig(output_dir=str(tmp_path), reward_timeout=0).reward_timeout == 0
+    assert FlowGRPOConfig(output_dir=str(tmp_path), reward_timeout=None).reward_timeout is None
+    assert FlowGRPOConfig(output_dir=str(tmp_path)).reward_timeout == 900
+
+
+def test_compute_rewards_with_a_timeout_keeps_the_callers_grad_mode_and_the_rewards_own_errors():
+    images, prompts = torch.rand(2, 3, 4, 4), ["a", "b"]
+    seen = {}
+
+    def probe(images, prompts, **columns):
+        seen["grad"], seen["thread"] = torch.is_grad_enabled(), threading.current_thread()
+        return [1.0, 2.0]
+
+    with torch.no_grad():
+        total, _ = compute_rewards([probe], ["probe"], [1.0], images, prompts, {}, timeout=30)
+    assert total.tolist() == [1.0, 2.0] and seen["grad"] is False
+    assert seen["thread"] is not threading.current_thread() and seen["thread"].daemon
+    compute_rewards([probe], ["probe"], [1.0], images, prompts, {}, timeout=None)
+    assert seen["thread"] is threading.current_thread() and seen["grad"] is True  # no limit: called directly
+
+    def own_timeout(images, prompts, **columns):
+        raise TimeoutError("socket timed out")
+
+    with pytest.raises(RewardError, match="'own_timeout' raised TimeoutError: socket timed out"):
+        compute_rewards([own_timeout], ["own_timeout"], [1.0], images, prompts, {}, timeout=30)
+
+
+def test_daemon_pool_shutdown_does_not_wait_for_a_hung_call():
+    release, started = threading.Event(), threading.Event()
+    pool = DaemonPool(1, "test-pool")
+    hung = pool.submit(lambda: started.set() or release.wait())
+    assert started.wait(60)
+    queued = pool.submit(lambda: 1)
+    pool.shutdown(grace=0)
+    assert queued.cancelled() and not hung.done()  # returned with the call still running
+    assert all(t.daemon for t in pool._threads)
+    release.set()
+    assert hung.result(timeout=60) is True
+    with DaemonPool(2) as p:
+        assert p.map(lambda x: x * x, range(5)) == [0, 1, 4, 9, 16]
+    assert not any(t.is_alive() for t in p._threads)  # idle workers end at shutdown
+
+
+CHILD = textwrap.dedent("""
+    import os, sys, threading
+    sys.path.insert(0, {tests!r})
+    import torch
+    torch.set_num_threads(1)
+    from pathlib import Path
+    from conftest import PROMPTS, tiny_config
+    from trl_flow import FlowGRPOTrainer
+    from trl_flow.testing import tiny_sd3_pipeline
+
+    out, workers, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+    calls = []
+
+    def hangs(images, prompts, **columns):
+        calls.append(1)
+        if len(calls) > 1:  # the constructor's check passes; the first iteration hangs
+            print("HANGING", flush=True)
+            threading.Event().wait()
+        return [0.0] * len(prompts)
+
+    config = tiny_config(Path(out), output_dir=out, reward_num_workers=workers, reward_timeout=timeout, max_steps=2)
+    FlowGRPOTrainer(config, tiny_sd3_pipeline(), [hangs], train_dataset=list(PROMPTS)).train()
+    print("DONE", flush=True)
+""")
+
+
+def _child(tmp_path, workers, timeout):
+    script = tmp_path / "child.py"
+    script.write_text(CHILD.format(tests=HERE))
+    log = open(tmp_path / "child.log", "w")
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "out"), str(workers), str(timeout)],
+                            stdout=log, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1"))
+    return proc, tmp_path / "child.log"
+
+
+def _wait_for_text(proc, log, text) -> str:
+    import time
+
+    while proc.poll() is None:
+        content = log.read_text()
+        if text in content:
+            return content
+        time.sleep(0.1)
+    raise AssertionError(f"child ended (rc {proc.returncode}) before printing {text!r}:\n{log.read_text()[-3000:]}")
+
+
+def _ended(proc, log, within: float = 120.0) -> str:
+    """The child's output once it has ended; it must end by itself (a hang is killed and fails the test)."""
+    try:
+        proc.wait(timeout=within)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise AssertionError(f"the process did not exit: a hung reward thread keeps it alive\n{log.read_text()[-3000:]}")
+    return log.read_text()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_process_exits_after_a_reward_timeout(tmp_path, workers):
+    proc, log = _child(tmp_path, workers, 1)
+    text = _ended(proc, log)
+    assert "reward function 'hangs' did not return within reward_timeout=1 s" in text
+    assert proc.returncode == 1, text[-3000:]  # the RewardError's exit, not an abort at interpreter shutdown (134)
+    assert "terminate called" not in text and "DONE" not in text
+
+
+def test_two_sigterms_end_a_run_whose_reward_hangs_in_a_worker(tmp_path):
+    proc, log = _child(tmp_path, 1, 0)  # reward_timeout=0: no limit; the reward hangs in the worker thread
+    _wait_for_text(proc, log, "HANGING")
+    proc.send_signal(signal.SIGTERM)
+    _wait_for_text(proc, log, "SIGTERM received")  # deferred to the end of the iteration, which never comes
+    proc.send_signal(signal.SIGTERM)  # stop now
+    text = _ended(proc, log)
+    assert "KeyboardInterrupt" in text and "DONE" not in text
+    assert proc.returncode not in (0, -signal.SIGKILL)
