@@ -321,6 +321,31 @@ def _load_pipeline(script_args: ScriptArguments, config):
     return load_pipeline(script_args.model_name_or_path, dtype)
 
 
+#: torch's elastic launcher (under `accelerate launch` and torchrun) answers a signal by sending it to the processes
+#: and SIGKILLs those still running this many seconds later (torch's default: 30), even while they finish their
+#: iteration to save it. `trl-flow --accelerate_config` sets it to DEFAULT_SHUTDOWN_TIMEOUT unless it is set already.
+SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+DEFAULT_SHUTDOWN_TIMEOUT = 1800
+
+
+def shutdown_timeout_env() -> dict[str, str]:
+    """What `trl-flow --accelerate_config` adds to the launcher's environment so that a SIGINT / SIGTERM leaves the
+    processes time to finish the iteration and save: ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` (read by torch's
+    ``LaunchConfig`` when torchrun's ``--shutdown_timeout`` is not given), unless the user set it."""
+    if os.environ.get(SHUTDOWN_TIMEOUT_ENV):
+        return {}
+    from torch.distributed.launcher.api import LaunchConfig
+
+    if "shutdown_timeout" not in getattr(LaunchConfig, "__dataclass_fields__", {}):
+        import warnings
+
+        warnings.warn("this torch's launcher has no shutdown timeout setting: it SIGKILLs the processes 30 s after a "
+                      "SIGINT / SIGTERM, so an iteration that takes longer to finish and save is lost when the run is "
+                      "stopped; a newer torch (torchrun --shutdown_timeout) lets them finish", stacklevel=2)
+        return {}
+    return {SHUTDOWN_TIMEOUT_ENV: str(DEFAULT_SHUTDOWN_TIMEOUT)}
+
+
 def _launch(command: str, argv: list[str], script_args: ScriptArguments, launch_args: list[str]) -> None:
     """Re-run ``trl-flow <command> <argv>`` under ``accelerate launch --config_file <file> <launch_args>``."""
     from accelerate.commands.launch import launch_command, launch_command_parser
@@ -343,7 +368,9 @@ def _launch(command: str, argv: list[str], script_args: ScriptArguments, launch_
             kept.append(token)
     args = launch_command_parser().parse_args(
         ["--config_file", config_file, *launch_args, "--module", "trl_flow.cli", command, *kept])
-    with patch_environment(**{_CHILD_ENV: "1"}):  # the started processes run the command, not another launch
+    env = {_CHILD_ENV: "1"}  # the started processes run the command, not another launch
+    env.update(shutdown_timeout_env())
+    with patch_environment(**env):
         try:
             launch_command(args)
         except Exception as e:  # the launcher's own rendezvous (before any process starts) failed

@@ -104,6 +104,8 @@ class FlowRLConfig:
     hub_license: str | None = field(default=None, metadata={"help": "License of the pushed model (default: the base model's license, read from its Hub card)."})
     hub_include_replay_buffer: bool = field(default=False, metadata={"help": "Also upload the trainer's replay buffer (OP-GRPO), as a `datasets` folder `replay_buffer/` of the model repository."})
     disable_tqdm: bool = field(default=False, metadata={"help": "Hide the progress bar."})
+    # ---- several processes ---------------------------------------------------------------------------------
+    ddp_timeout: float = field(default=1200.0, metadata={"help": "Seconds a collective operation (a gather, the gradient all-reduce, a barrier) waits for the other processes before it fails with an error naming this option: how long a run with a stopped or hung process waits before it stops by itself. Default 1200 (20 min), shorter than torch's 30 min for gloo and above reward_timeout's 900 s, so that a slow reward call on one process fails as its own RewardError first; it must also cover what one process does alone while the others wait (the main process's saves and Hub upload). Same name as transformers' TrainingArguments.ddp_timeout."})
 
     def __post_init__(self):
         def need(cond, name, msg):
@@ -147,6 +149,12 @@ class FlowRLConfig:
         need(self.reward_timeout is None or isinstance(self.reward_timeout, (int, float))
              and not isinstance(self.reward_timeout, bool) and math.isfinite(self.reward_timeout)
              and self.reward_timeout >= 0, "reward_timeout", "must be a finite number of seconds >= 0 (0 or None: no limit)")
+        need(isinstance(self.ddp_timeout, (int, float)) and not isinstance(self.ddp_timeout, bool)
+             and math.isfinite(self.ddp_timeout) and self.ddp_timeout > 0, "ddp_timeout", "must be a finite number of seconds > 0")
+        need(not self.reward_timeout or self.ddp_timeout > self.reward_timeout, "ddp_timeout",
+             f"must be > reward_timeout={self.reward_timeout!r}: the other processes wait in a collective while one "
+             "process's reward call runs, so they would time out before that call does; raise ddp_timeout or lower "
+             "reward_timeout")
         need(self.adv_clip_max > 0, "adv_clip_max", "must be > 0: 0 clips every advantage to 0 and nothing is trained")
         need(math.isfinite(self.lora_alpha) and self.lora_alpha > 0, "lora_alpha",
              "must be > 0: the LoRA update is scaled by lora_alpha / lora_r, so 0 never changes the model")

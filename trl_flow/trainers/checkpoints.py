@@ -653,55 +653,5 @@ def apply_optimizer_settings(optimizer, scheduler, cfg) -> None:
 
 
 # --------------------------------------------------------------------------------------------- interrupts
-class InterruptGuard:
-    """Defer SIGINT / SIGTERM to the end of the current iteration.
-
-    The first signal is recorded (and announced); :meth:`stop_requested` at the iteration boundary then tells the
-    loop, on every process at the same iteration, to save the complete state and stop. A second signal raises
-    ``KeyboardInterrupt`` at once: the partial iteration is discarded, complete checkpoints are untouched (a save
-    in progress only leaves its ``.tmp`` folder). Handlers are installed only from the main thread."""
-
-    SIGNALS = ("SIGINT", "SIGTERM")
-
-    def __init__(self, print_fn=print):
-        self.signum: int | None = None
-        self._previous: dict = {}
-        self._print = print_fn
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for name in self.SIGNALS:
-                sig = getattr(signal, name, None)
-                if sig is not None:
-                    self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous = {}
-        return False
-
-    def _handle(self, signum, frame):
-        if self.signum is None:
-            self.signum = signum
-            self._print(f"\n{signal.Signals(signum).name} received: finishing this iteration, then saving a "
-                        "checkpoint and stopping (send it again to stop now without saving).")
-            return
-        self.__exit__()
-        raise KeyboardInterrupt
-
-    def stop_requested(self, accelerator) -> int | None:
-        """The signal any process received (all processes agree), or None."""
-        flag = torch.tensor([float(self.signum or 0)], device=accelerator.device)
-        if accelerator.num_processes > 1:
-            flag = accelerator.reduce(flag, reduction="max")
-        return int(flag.item()) or None
-
-    @staticmethod
-    def exception(signum: int) -> BaseException:
-        """What the loop raises after saving: KeyboardInterrupt for SIGINT, SystemExit(128 + n) otherwise (the
-        exit status of a process killed by that signal)."""
-        if signum == signal.SIGINT:
-            return KeyboardInterrupt()
-        return SystemExit(128 + signum)
+# The guard lives in interrupts.py (signals, its watcher thread, collective timeouts); the loop uses this name.
+from .interrupts import InterruptGuard  # noqa: E402,F401

@@ -18,13 +18,21 @@ What sharding changes for the trainer (all here, so that the loop itself is the 
 parameters become DTensors after ``prepare`` (the trainable list is rebuilt from the prepared model, EMA shadows
 are DTensors too), the frozen reference copy of ``finetune="full"`` is sharded like the trained model, and every
 export (LoRA file, EMA, ``save_model``) gathers full tensors on every process before the main one writes.
+
+Collective timeout (``ddp_timeout``). A process that stops answering (stopped, hung, dead without its connections
+closing) leaves the others waiting in their next collective. The process group is made with ``ddp_timeout`` seconds
+(accelerate's ``InitProcessGroupKwargs``; applied to a group that already exists too), and a timed-out collective in
+the training loop is re-raised as :class:`CollectiveTimeoutError` naming the option (:func:`collective_timeout_error`).
 """
 
 from __future__ import annotations
 
 import os
+import re
+from datetime import timedelta
 
 import torch
+
 
 class DistributedSetupError(RuntimeError):
     """The launch asked for a distributed mode this run does not get."""
@@ -63,12 +71,15 @@ def _check_request_before(want: str | None) -> None:
 def make_accelerator(config):
     """The run's ``Accelerator``: what the launch asked for, or :class:`DistributedSetupError`."""
     from accelerate import Accelerator
-    from accelerate.utils import DistributedType
+    from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
     want = requested()
     _check_request_before(want)
     mp = "bf16" if config.bf16 else "fp16" if config.fp16 else "no"
-    acc = Accelerator(mixed_precision=mp, log_with=config.report_to or None, project_dir=config.output_dir)
+    timeout = timedelta(seconds=config.ddp_timeout)
+    acc = Accelerator(mixed_precision=mp, log_with=config.report_to or None, project_dir=config.output_dir,
+                      kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)])
+    _apply_timeout(timeout)
     got = acc.distributed_type
     if want == "FSDP" and got == DistributedType.MULTI_CPU:
         _enable_cpu_fsdp2(acc)
@@ -81,6 +92,55 @@ def make_accelerator(config):
               + (f", FSDP{info['fsdp_version']} ({info['fsdp_state_dict_type']})" if "fsdp_version" in info else "")
               + (" on CPU (gloo)" if info.get("fsdp_on_cpu") else ""))
     return acc
+
+
+# -------------------------------------------------------------------------------------- collective timeout
+class CollectiveTimeoutError(RuntimeError):
+    """A collective operation waited ``ddp_timeout`` seconds for another process."""
+
+
+#: The process group's collective timeout in seconds, as :func:`make_accelerator` last set it.
+_timeout_s: float | None = None
+
+#: How torch's backends say that a collective timed out (gloo: a receive, or the pairs closed by the timeout of an
+#: earlier one; NCCL: its watchdog, which then usually aborts the process before Python sees anything).
+_TIMEOUT_MESSAGES = re.compile(r"Timed out waiting \d+ ?ms for \w+ operation|[Aa]pplication timeout caused pair "
+                               r"closure|Watchdog caught collective operation timeout")
+
+
+def _apply_timeout(timeout: timedelta) -> None:
+    """accelerate passes ``InitProcessGroupKwargs`` only when it creates the process group; a group made earlier
+    in the process (a ``PartialState()`` before the trainer, a second trainer) gets the timeout here."""
+    global _timeout_s
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        from torch.distributed import distributed_c10d
+
+        setter = getattr(distributed_c10d, "_set_pg_timeout", None)  # torch >= 2.3
+        if setter is not None:
+            setter(timeout)
+    _timeout_s = timeout.total_seconds()
+
+
+def collective_timeout_error(error: BaseException) -> CollectiveTimeoutError | None:
+    """``error`` (raised while the process group exists) said as a :class:`CollectiveTimeoutError` naming
+    ``ddp_timeout`` and the likely causes when it is a timed-out collective; else None."""
+    import torch.distributed as dist
+
+    if isinstance(error, CollectiveTimeoutError) or not isinstance(error, RuntimeError):
+        return None
+    if not (dist.is_available() and dist.is_initialized()) or not _TIMEOUT_MESSAGES.search(str(error)):
+        return None
+    after = f"{_timeout_s:g} s (ddp_timeout={_timeout_s:g})" if _timeout_s is not None else "ddp_timeout seconds"
+    first_line = str(error).strip().splitlines()[0]
+    return CollectiveTimeoutError(
+        f"process {dist.get_rank()} of {dist.get_world_size()}: a collective operation (a gather, the gradient "
+        f"all-reduce or a barrier) waited {after} for another process that did not answer: it was stopped, it hangs "
+        "(a reward call, a kernel, a full disk), or it is busy alone for longer (a large save or Hub upload on the "
+        "main process). Complete checkpoints are untouched. Fix: check the other processes (the launcher's log "
+        "names one that failed); if that wait is expected, raise ddp_timeout (seconds; --ddp_timeout on the "
+        f"command line). [{type(error).__name__}: {first_line}]")
 
 
 def mismatch(want: str | None, got: str, num_processes: int, world: int) -> str | None:
