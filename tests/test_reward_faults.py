@@ -6,6 +6,7 @@ timeout / retries / backoff can be set from the command line."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -173,7 +174,8 @@ def _ended(proc, log, within: float = 120.0) -> str:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-        raise AssertionError(f"the process did not exit: a hung reward thread keeps it alive\n{log.read_text()[-3000:]}")
+        raise AssertionError("the process did not exit: a hung reward thread keeps it alive\n"
+                             + log.read_text()[-3000:])
     return log.read_text()
 
 
@@ -194,4 +196,127 @@ def test_two_sigterms_end_a_run_whose_reward_hangs_in_a_worker(tmp_path):
     proc.send_signal(signal.SIGTERM)  # stop now
     text = _ended(proc, log)
     assert "KeyboardInterrupt" in text and "DONE" not in text
+    assert "blocked outside Python" not in text  # ended by the KeyboardInterrupt, not by the guard's forced exit
     assert proc.returncode not in (0, -signal.SIGKILL)
+
+
+# ---------------------------------------------------------------------------------------- the reward server
+def _blank_png(side: int) -> str:
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.zeros((side, side, 3), np.uint8)).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+@pytest.fixture
+def decoded(monkeypatch):
+    """Records every image whose pixels the wire format decodes (the headers alone are not recorded)."""
+    from trl_flow.rewards import wire
+
+    seen = []
+    pixels = wire._pixels
+
+    def recording(im, where):
+        seen.append((where, im.size))
+        return pixels(im, where)
+
+    monkeypatch.setattr(wire, "_pixels", recording)
+    return seen
+
+
+def test_the_server_refuses_a_request_over_its_pixel_budget_before_decoding(decoded):
+    """Issue 36: four blank 4096x4096 PNGs (a 261 KB request, far under the 64 MiB body cap) took the server from
+    256 MB to 2.3 GB. Over the per-request pixel budget now, it answers 413 naming the limit and the flag, and
+    decodes nothing."""
+    pytest.importorskip("uvicorn")
+    from test_rewards_remote import serve_app
+
+    from trl_flow.rewards import RemoteReward, RemoteRewardError
+    from trl_flow.rewards.server import build_app
+    from trl_flow.rewards.wire import MAX_REQUEST_PIXELS
+
+    big = _blank_png(4096)
+    with serve_app(build_app(brightness)) as url:  # the defaults
+        code, body = RemoteReward(url).transport.request(
+            url + "/score", {"schema_version": 1, "images": [big] * 4, "prompts": ["x"] * 4})
+        assert code == 413, body
+        assert (f"67108864 pixels in all, over the limit of {MAX_REQUEST_PIXELS} pixels per request" in body.decode()
+                and "--max-request-pixels" in body.decode())
+        assert decoded == []  # refused on the PNG headers: not one pixel decoded
+    with serve_app(build_app(brightness, max_request_pixels=2 * 32 * 32)) as url:
+        client = RemoteReward(url, batch_size=3, max_retries=0)
+        with pytest.raises(RemoteRewardError, match=r"HTTP 413: request of 3 images has 3072 pixels in all, over the "
+                                                    r"limit of 2048 pixels per request.*--max-request-pixels"):
+            client(torch.rand(3, 3, 32, 32), ["a", "b", "c"])
+        assert decoded == []
+        assert len(client(torch.rand(2, 3, 32, 32), ["a", "b"])) == 2  # at the limit: served
+        assert [size for _, size in decoded] == [(32, 32), (32, 32)]
+
+
+def test_the_pixel_budget_counts_every_video_frame(decoded):
+    from trl_flow.rewards.wire import TooManyPixels, decode_images, encode_images
+
+    video = encode_images(torch.rand(2, 3, 3, 8, 8))  # 2 samples x 3 frames of 8x8 = 384 pixels
+    with pytest.raises(TooManyPixels, match="request of 2 videos has 384 pixels in all, over the limit of 383"):
+        decode_images(video, max_total_pixels=383)
+    assert decoded == []
+    assert decode_images(video, max_total_pixels=384).shape == (2, 3, 3, 8, 8)
+
+
+def test_the_server_command_passes_max_request_pixels(monkeypatch):
+    pytest.importorskip("uvicorn")
+    import uvicorn
+
+    from trl_flow.rewards import server
+
+    built = {}
+    real = server.build_app
+    monkeypatch.setattr(server, "build_app", lambda *a, **kw: built.update(kw) or real(*a, **kw))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: built.update(app=app))
+    server.main(["--reward", "jpeg_compressibility", "--max-request-pixels", "12345"])
+    assert built["max_request_pixels"] == 12345 and built["app"] is not None
+    with pytest.raises(SystemExit, match="--max-request-pixels 0: must be an integer >= 1"):
+        server.main(["--reward", "jpeg_compressibility", "--max-request-pixels", "0"])
+    with pytest.raises(ValueError, match="max_request_pixels=0"):
+        real(brightness, max_request_pixels=0)
+
+
+# ------------------------------------------------------------------------------- the remote reward's options
+def test_reward_urls_carry_the_clients_timeout_retries_and_backoff():
+    from trl_flow import cli
+
+    reward = cli.resolve_reward("http://127.0.0.1:8001?timeout=30&max_retries=5&backoff=2.5&batch_size=8&name=geneval")
+    t = reward.transport
+    assert (t.timeout, t.max_retries, t.backoff) == (30.0, 5, 2.5)
+    assert reward.urls == ["http://127.0.0.1:8001"] and reward.batch_size == 8 and reward.__name__ == "geneval"
+    plain = cli.resolve_reward("http://127.0.0.1:8001")
+    assert (plain.transport.timeout, plain.transport.max_retries, plain.transport.backoff) == (120.0, 3, 1.0)
+    for spec, message in [
+        ("http://h:1?timeout=abc", "timeout='abc' must be a positive number of seconds"),
+        ("http://h:1?timeout=0", "timeout='0' must be a positive number of seconds"),
+        ("http://h:1?max_retries=-1", "max_retries='-1' must be an integer >= 0"),
+        ("http://h:1?max_retries=2.5", "max_retries='2.5' must be an integer >= 0"),
+        ("http://h:1?backoff=inf", "backoff='inf' must be a number of seconds >= 0"),
+        ("http://h:1?retries=3", "unknown option 'retries'; the options are timeout, max_retries, backoff"),
+        ("http://h:1?timeout", "must be key=value pairs"),
+        ("http://h:1?timeout=1&timeout=2", "option 'timeout' is given twice"),
+    ]:
+        with pytest.raises(cli.CLIError, match=r"--reward_funcs: reward URL .*" + re.escape(message)):
+            cli.resolve_reward(spec)
+
+
+def test_the_urls_retries_and_backoff_are_used():
+    from test_rewards_remote import serve_handler
+
+    from trl_flow.rewards import RemoteReward, RemoteRewardError
+
+    with serve_handler(lambda path, body, headers: (503, b'{"detail": "warming up"}')) as (url, seen):
+        reward = RemoteReward.from_url(url + "?max_retries=2&backoff=0&timeout=30")
+        with pytest.raises(RemoteRewardError, match="no answer after 3 attempt"):
+            reward(torch.rand(1, 3, 8, 8), ["x"])
+        assert len(seen) == 3  # 1 + max_retries

@@ -83,7 +83,7 @@ class ScriptArguments:
     dataset_train_split: str = field(default="train", metadata={"help": "Split of `dataset_name` to train on."})
     dataset_test_split: str = field(default="test", metadata={"help": "Split used for evaluation: of `eval_dataset` if given, else of `dataset_name` (when `eval_steps` > 0)."})
     eval_dataset: str | None = field(default=None, metadata={"help": "Evaluation prompts, in any format of `dataset_name`; its `dataset_test_split` split is loaded."})
-    reward_funcs: list[str] | None = field(default=None, metadata={"help": "Rewards: names exported by `trl_flow.rewards` (e.g. jpeg_incompressibility), shapes_partial / shapes_strict, `module:callable` (a class is instantiated without arguments), or the http(s) URL of a `trl-flow reward-server`."})
+    reward_funcs: list[str] | None = field(default=None, metadata={"help": "Rewards: names exported by `trl_flow.rewards` (e.g. jpeg_incompressibility), shapes_partial / shapes_strict, `module:callable` (a class is instantiated without arguments), or the http(s) URL of a `trl-flow reward-server`, with its client options in the query string: `http://host:8001?timeout=30&max_retries=5&backoff=2&batch_size=8&name=geneval` (seconds per request, default 120; further attempts, 3; seconds before the first retry, doubled each time, 1; images per request, 16; logged name, remote)."})
     accelerate_config: str | None = field(default=None, metadata={"help": "Run under `accelerate launch` with this config: a name shipped in trl_flow/accelerate_configs (single_gpu, multi_gpu, multi_node, fsdp2, zero2, zero3) or a file. Other `accelerate launch` options are passed on."})
     trainer: str | None = field(default=None, metadata={"help": "The subcommand a recipe is written for (grpo, op-grpo, stepwise, dppo); running a recipe with another subcommand is an error."})
     num_threads: int | None = field(default=None, metadata={"help": "torch CPU threads per process (torch.set_num_threads). Default: OMP_NUM_THREADS if set, else 1; 0 = torch's own default (one per core), which is faster only on an idle machine with large CPU ops: with other processes busy, spinning threads made a 2-iteration shapes run 3-7x slower."})
@@ -274,8 +274,11 @@ def resolve_reward(spec: str):
     ``module:callable``; a module next to the recipe is importable, like TRL's scripts)."""
     from trl_flow.rewards import RemoteReward, get_reward
 
-    if spec.startswith(("http://", "https://")):
-        return RemoteReward(spec)
+    if spec.startswith(("http://", "https://")):  # options in the query string: ?timeout=30&max_retries=5&backoff=2
+        try:
+            return RemoteReward.from_url(spec)
+        except ValueError as e:
+            raise CLIError(f"--reward_funcs: {e}") from e
     if ":" in spec and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:

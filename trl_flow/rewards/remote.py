@@ -17,6 +17,7 @@ import math
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 
@@ -140,6 +141,52 @@ class RemoteReward:
         self.batch_size = batch_size
         self.columns = None if columns is None else list(columns)
         self.transport = HTTPTransport(self.urls, "/score", f"reward {name!r}", timeout, max_retries, backoff)
+
+    #: The options a URL may carry in its query string (see :meth:`from_url`): name -> (type, check, what it needs).
+    URL_OPTIONS = {
+        "timeout": (float, lambda v: v > 0 and math.isfinite(v), "a positive number of seconds"),
+        "max_retries": (int, lambda v: v >= 0, "an integer >= 0"),
+        "backoff": (float, lambda v: v >= 0 and math.isfinite(v), "a number of seconds >= 0"),
+        "batch_size": (int, lambda v: v >= 1, "an integer >= 1"),
+        "name": (str, bool, "a non-empty string"),
+    }
+
+    @classmethod
+    def from_url(cls, spec: str) -> RemoteReward:
+        """A :class:`RemoteReward` from one URL whose query string sets its options, the form command lines and
+        recipes use (``--reward_funcs``)::
+
+            http://127.0.0.1:8001?timeout=30&max_retries=5&backoff=2&batch_size=8&name=geneval
+
+        Options: ``timeout`` (seconds per request, default 120), ``max_retries`` (3), ``backoff`` (seconds, 1),
+        ``batch_size`` (16), ``name`` ("remote"). An unknown option or a bad value is a ``ValueError`` naming it."""
+        parts = urllib.parse.urlsplit(spec)
+        if parts.fragment:
+            raise ValueError(f"reward URL {spec!r}: remove the '#{parts.fragment}' part; options go in the query "
+                             "string, e.g. ?timeout=30&max_retries=5")
+        pairs = [kv.partition("=") for kv in parts.query.split("&")] if parts.query or spec.endswith("?") else []
+        if any(not key or not eq for key, eq, _ in pairs):
+            raise ValueError(f"reward URL {spec!r}: the query string must be key=value pairs joined by '&', e.g. "
+                             "?timeout=30&max_retries=5")
+        kwargs = {}
+        for key, _, raw in pairs:
+            raw = urllib.parse.unquote_plus(raw)
+            if key not in cls.URL_OPTIONS:
+                raise ValueError(f"reward URL {spec!r}: unknown option {key!r}; the options are "
+                                 f"{', '.join(cls.URL_OPTIONS)} (e.g. ?timeout=30&max_retries=5&backoff=2)")
+            if key in kwargs:
+                raise ValueError(f"reward URL {spec!r}: option {key!r} is given twice")
+            kind, ok, need = cls.URL_OPTIONS[key]
+            try:
+                value = kind(raw)
+                good = ok(value)
+            except ValueError:
+                good = False
+            if not good:
+                raise ValueError(f"reward URL {spec!r}: {key}={raw!r} must be {need}")
+            kwargs[key] = value
+        base = urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path, "", ""))
+        return cls(base, **kwargs)
 
     def __repr__(self) -> str:
         return f"RemoteReward({self.urls!r}, name={self.__name__!r})"

@@ -6,9 +6,11 @@
 
 Endpoints and schema (version 1) are in :mod:`trl_flow.rewards.wire`; ``/docs`` shows them too. The server binds
 127.0.0.1 unless told otherwise (it has no authentication: expose it only on a trusted network), rejects requests
-over ``--max-request-mb`` (HTTP 413) before reading them whole, decodes only PNG images within a pixel limit,
-and runs one reward call at a time. Nothing is unpickled or evaluated: requests are JSON, the reward is chosen by
-name or imported by ``module:callable``, its keyword arguments are JSON.
+over ``--max-request-mb`` (HTTP 413) before reading them whole, decodes only PNG images, and only when the
+request's images hold at most ``--max-request-pixels`` pixels in all (checked on the PNG headers; HTTP 413
+otherwise: that bounds its memory per request), and runs one reward call at a time. Nothing is unpickled or
+evaluated: requests are JSON, the reward is chosen by name or imported by ``module:callable``, its keyword
+arguments are JSON.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the endpoint annotations at runtime.
@@ -19,7 +21,7 @@ import math
 import threading
 from typing import Any
 
-from .wire import MAX_IMAGE_PIXELS, SCHEMA_VERSION, decode_images
+from .wire import MAX_IMAGE_PIXELS, MAX_REQUEST_PIXELS, SCHEMA_VERSION, TooManyPixels, decode_images
 
 logger = logging.getLogger(__name__)
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -34,8 +36,14 @@ def _require_serve():
 
 
 def build_app(reward, name: str | None = None, max_request_bytes: int = 64 * 2**20,
-              max_image_pixels: int = MAX_IMAGE_PIXELS):
-    """The FastAPI app serving ``reward`` at ``POST /score`` and ``GET /health``."""
+              max_image_pixels: int = MAX_IMAGE_PIXELS, max_request_pixels: int = MAX_REQUEST_PIXELS):
+    """The FastAPI app serving ``reward`` at ``POST /score`` and ``GET /health``. A request is refused (HTTP 413)
+    over ``max_request_bytes`` of body or ``max_request_pixels`` pixels in all its images (every frame counted,
+    read from the PNG headers before any decoding); an image over ``max_image_pixels`` is refused (HTTP 400)."""
+    for arg, v in (("max_request_bytes", max_request_bytes), ("max_image_pixels", max_image_pixels),
+                   ("max_request_pixels", max_request_pixels)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"build_app: {arg}={v!r} must be an integer >= 1")
     _require_serve()
     from fastapi import FastAPI, HTTPException, Request
     from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -104,7 +112,9 @@ def build_app(reward, name: str | None = None, max_request_bytes: int = 64 * 2**
             if len(v) != n:
                 raise HTTPException(422, f"column {k!r} has {len(v)} values for {n} prompts")
         try:
-            images = decode_images(req.images, max_image_pixels)
+            images = decode_images(req.images, max_image_pixels, max_request_pixels)
+        except TooManyPixels as e:
+            raise HTTPException(413, str(e)) from None
         except ValueError as e:
             raise HTTPException(400, str(e)) from None
         try:
@@ -133,6 +143,11 @@ def build_arg_parser(prog: str = "trl-flow reward-server") -> argparse.ArgumentP
     p.add_argument("--device", default=None, help="Device of a reward model (e.g. cuda:0; default: cpu).")
     p.add_argument("--dtype", default=None, help="dtype of a reward model: float32, bfloat16 or float16.")
     p.add_argument("--max-request-mb", type=float, default=64.0, help="Largest accepted request body in MiB.")
+    p.add_argument("--max-request-pixels", type=int, default=MAX_REQUEST_PIXELS,
+                   help=f"Most pixels a request's images may hold in all, every video frame counted (default "
+                        f"{MAX_REQUEST_PIXELS} = 32 images of 1024x1024); checked on the PNG headers before decoding, "
+                        "a larger request is refused with HTTP 413. Bounds the server's memory per request: about 21 "
+                        "bytes per pixel.")
     p.add_argument("--log-level", default="info", help="uvicorn log level.")
     return p
 
@@ -153,6 +168,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("--reward-kwargs: must be a JSON object, e.g. '{\"batch_size\": 16}'")
     if args.max_request_mb <= 0:
         raise SystemExit("--max-request-mb: must be > 0")
+    if args.max_request_pixels < 1:
+        raise SystemExit(f"--max-request-pixels {args.max_request_pixels}: must be an integer >= 1")
     reward = get_reward(args.reward, **kwargs)
     if args.device or args.dtype:
         if not hasattr(reward, "prepare"):
@@ -164,7 +181,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.host not in LOOPBACK:
         logger.warning("binding %s: the reward server has no authentication; anyone who can reach this address "
                        "can use it", args.host)
-    app = build_app(reward, args.name, max_request_bytes=int(args.max_request_mb * 2**20))
+    app = build_app(reward, args.name, max_request_bytes=int(args.max_request_mb * 2**20),
+                    max_request_pixels=args.max_request_pixels)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 

@@ -57,7 +57,7 @@ class DaemonPool:
     """A fixed pool of ``num_workers`` daemon threads with the ``submit`` / ``map`` / ``shutdown`` of an executor.
 
     :meth:`shutdown` cancels the queued calls, waits for the idle workers to end (at once: they run nothing) and
-    never for a running call, which is left to finish (or hang) in the background. A worker marks itself idle
+    at most ``grace`` seconds for a running call, which is then left to finish (or hang) in the background. A worker marks itself idle
     before it publishes a result, so a worker whose result was seen is never left behind (a daemon thread that
     wakes up while the interpreter shuts down can abort the process). Used as a context manager, it shuts down
     on exit."""

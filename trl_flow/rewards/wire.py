@@ -26,6 +26,9 @@ from .base import to_uint8
 
 SCHEMA_VERSION = 1
 MAX_IMAGE_PIXELS = 4096 * 4096
+#: Pixels a request may hold in all (every image and frame), what bounds the server's memory per request (decoding
+#: takes about 21 bytes per pixel at its peak: 0.7 GB here): 2**25 = 32 images of 1024x1024, or 2 of 4096x4096.
+MAX_REQUEST_PIXELS = 2**25
 
 
 def _png(chw_uint8: np.ndarray) -> str:
@@ -44,7 +47,12 @@ def encode_images(images: torch.Tensor) -> list:
     return [_png(a) for a in arr]
 
 
-def _unpng(data: str, where: str, max_pixels: int) -> np.ndarray:
+class TooManyPixels(ValueError):
+    """A request whose images have more pixels in all than the server decodes (HTTP 413)."""
+
+
+def _open_png(data: str, where: str, max_pixels: int):
+    """The PNG of a base64 string, opened lazily: only its header is read (size and format), no pixel."""
     from PIL import Image
 
     try:
@@ -54,34 +62,53 @@ def _unpng(data: str, where: str, max_pixels: int) -> np.ndarray:
         raise ValueError(f"{where}: not a base64 PNG ({type(e).__name__})") from None
     if im.format != "PNG":
         raise ValueError(f"{where}: expected a PNG, got {im.format}")
-    if im.size[0] * im.size[1] > max_pixels:  # checked on the header, before decoding the pixels
+    if im.size[0] * im.size[1] > max_pixels:
         raise ValueError(f"{where}: {im.size[0]}x{im.size[1]} is over the limit of {max_pixels} pixels")
+    return im
+
+
+def _pixels(im, where: str) -> np.ndarray:
     try:
         return np.asarray(im.convert("RGB")).transpose(2, 0, 1)
     except OSError as e:
         raise ValueError(f"{where}: broken PNG ({e})") from None
 
 
-def decode_images(items: list, max_pixels: int = MAX_IMAGE_PIXELS) -> torch.Tensor:
+def decode_images(items: list, max_pixels: int = MAX_IMAGE_PIXELS,
+                  max_total_pixels: int | None = MAX_REQUEST_PIXELS) -> torch.Tensor:
     """The inverse of :func:`encode_images`: float32 (B, 3, H, W) or (B, F, 3, H, W) in [0, 1]. Raises
-    ``ValueError`` naming the offending entry."""
+    ``ValueError`` naming the offending entry, and :class:`TooManyPixels` when the images (every frame counted)
+    have more than ``max_total_pixels`` pixels in all. Both limits are checked on the PNG headers of every image
+    before any pixel is decoded."""
     if not items:
         return torch.zeros(0, 3, 1, 1)
     video = isinstance(items[0], list)
-    arrays = []
+    opened = []  # (where, lazily opened PNG) per image, or per sample a list of frames
+    total = 0
     for i, item in enumerate(items):
         if isinstance(item, list) != video:
             raise ValueError(f"images[{i}]: mixes single images and videos (lists of frames) in one request")
         if video:
             if not item:
                 raise ValueError(f"images[{i}]: a video needs at least one frame")
-            arrays.append(np.stack([_unpng(f, f"images[{i}][{j}]", max_pixels) for j, f in enumerate(item)]))
+            frames = [(f"images[{i}][{j}]", _open_png(f, f"images[{i}][{j}]", max_pixels)) for j, f in enumerate(item)]
         else:
-            arrays.append(_unpng(item, f"images[{i}]", max_pixels))
+            frames = [(f"images[{i}]", _open_png(item, f"images[{i}]", max_pixels))]
+        total += sum(im.size[0] * im.size[1] for _, im in frames)
+        opened.append(frames)
+    if max_total_pixels is not None and total > max_total_pixels:
+        raise TooManyPixels(
+            f"request of {len(items)} {'videos' if video else 'images'} has {total} pixels in all, over the limit of "
+            f"{max_total_pixels} pixels per request; send smaller batches (RemoteReward(batch_size=...), or "
+            "?batch_size= in a --reward_funcs URL) or start the server with a larger --max-request-pixels")
+    arrays = []
+    for frames in opened:
+        decoded = [_pixels(im, where) for where, im in frames]
+        arrays.append(np.stack(decoded) if video else decoded[0])
     shapes = {a.shape for a in arrays}
     if len(shapes) > 1:
         raise ValueError(f"images: all images of a request must have the same size (and frame count), got {shapes}")
-    return torch.from_numpy(np.stack(arrays)).float() / 255.0
+    return torch.from_numpy(np.stack(arrays)).float().div_(255.0)
 
 
 def parse_scores(answer, n: int, where: str) -> list[float | None]:
