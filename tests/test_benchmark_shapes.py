@@ -239,3 +239,44 @@ def test_summary_reports_the_colour_relation_over_the_runs_that_recorded_it():
     assert "flow_grpo@0.001 val 0.600 -> 0.750" in mod.table(s) and "(seeds 1, 2)" in mod.table(s)
     assert mod.summarise(old, 2)["methods"]["flow_grpo@0.001"]["relation_by_split"] == {}
     assert "Colour-level relation" not in mod.table(mod.summarise(old, 2))
+
+
+def test_sparse_tier_prompts_follow_the_stated_rule_on_the_committed_base_table():
+    import hashlib
+
+    mod = _load()
+    with open(os.path.join(ROOT, mod.SPARSE_BASE_TABLE)) as f:
+        table = json.load(f)
+    rows = table["per_prompt"]
+    by = {r["prompt"]: r for r in rows}
+    # the table covers the pool the rule walks (every RL-train position prompt), measured on tier 2's base with the
+    # benchmark's evaluation sampler
+    assert sorted(by) == sorted(mod.train_prompts(mod.TIERS[3])) and len(rows) == len(by) == 164
+    assert table["base"] == mod.TIERS[2]["base"] == mod.TIERS[5]["base"]
+    assert (table["ode"]["num_inference_steps"], table["ode"]["guidance_scale"], table["ode"]["seed"]) == (
+        mod.BASE["eval_num_inference_steps"], mod.BASE["guidance_scale"], mod.EVAL_SEED)
+    assert all(r["ode_strict"] == r["ode_successes"] / r["ode_n"] for r in rows)
+    chosen = mod.SPARSE_PROMPTS
+    assert len(chosen) == len(set(chosen)) == 8
+    assert all(0 < by[p]["ode_strict"] <= mod.SPARSE_MAX_RATE == 0.15 for p in chosen)
+    assert not set(chosen) & (set(mod.TIER2_PROMPTS) | set(mod.TIER2B_PROMPTS))
+    md5 = lambda p: hashlib.md5(p.encode()).hexdigest()  # noqa: E731
+    eligible = sorted((p for p, r in by.items() if 0 < r["ode_strict"] <= 0.15
+                       and p not in mod.TIER2_PROMPTS and p not in mod.TIER2B_PROMPTS), key=md5)
+    assert chosen == eligible[:8] == mod.sparse_prompts(rows)  # the first 8 of the order: none skipped
+    # the rule's bounds bind: a chosen prompt measured at 0 (no success to replay) or above 0.15 is replaced by the
+    # next eligible one in md5 order
+    for rate in (0.0, 0.15625):
+        changed = [dict(r, ode_strict=rate) if r["prompt"] == chosen[0] else r for r in rows]
+        assert mod.sparse_prompts(changed) == chosen[1:] + [eligible[8]]
+    with pytest.raises(ValueError, match=f"only {len(eligible)} prompts"):
+        mod.sparse_prompts(rows, n=len(eligible) + 1)
+    # the tier trains and scores those prompts on the binary reward, in its own folder, with its own gain rule
+    tier = mod.TIERS[5]
+    assert tier["train"] == chosen and tier["evals"]["trained"] == (chosen, 128)
+    assert (tier["reward"], tier["score"], tier["primary"]) == ("strict", "strict", "trained")
+    assert mod.default_out(5) == "benchmarks/results/shapes_sparse" and mod.default_out(2).endswith("shapes_tier2")
+    runs = [_fake_run("flow_grpo@0.001", s, [0.1, 0.25], [0, 0.3]) for s in (0, 1, 2)]
+    acc = mod.summarise(runs, 5)["acceptance"]
+    assert acc["required_gain"] == mod.ACCEPT_GAIN_SPARSE == 0.10 and acc["gain_ok"]
+    assert mod.summarise(runs, 2)["acceptance"]["required_gain"] == mod.ACCEPT_GAIN
