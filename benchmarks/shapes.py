@@ -133,7 +133,7 @@ SWEPT_LR[4] = SWEPT_LR[2]  # tier 2b takes tier 2's swept rates (not swept again
 # Acceptance of tier 2 (issue 18): Flow-GRPO's final score on the trained prompts beats the base by these.
 ACCEPT_GAIN, ACCEPT_STDS, ACCEPT_CPU_MIN = 0.15, 3.0, 15.0
 # The sparse tier's gain (its base is ~0.10, not tier 2's 0.24): +0.10 doubles the base's success rate (tier 2's +0.15
-# is +60% of its base) and is about 3 binomial standard errors of its 128-image evaluation at these rates (0.027-0.035)
+# is +60% of its base) and is 3-4 binomial standard errors of its 128-image evaluation at these rates (0.027-0.035)
 ACCEPT_GAIN_SPARSE = 0.10
 
 # Shared by every method: the equal budget (reference-parity defaults: batch std, detached unconditional branch).

@@ -280,3 +280,23 @@ def test_sparse_tier_prompts_follow_the_stated_rule_on_the_committed_base_table(
     acc = mod.summarise(runs, 5)["acceptance"]
     assert acc["required_gain"] == mod.ACCEPT_GAIN_SPARSE == 0.10 and acc["gain_ok"]
     assert mod.summarise(runs, 2)["acceptance"]["required_gain"] == mod.ACCEPT_GAIN
+
+
+def test_sparse_tier_numbers_in_the_docs_are_the_committed_ones():
+    mod = _load()
+    with open(os.path.join(ROOT, mod.SPARSE_BASE_TABLE)) as f:
+        table = json.load(f)
+    with open(os.path.join(ROOT, "docs", "benchmarks.md")) as f:
+        text = " ".join(f.read().split())
+    by = {r["prompt"]: r for r in table["per_prompt"]}
+    for p in mod.SPARSE_PROMPTS:
+        r = by[p]
+        row = (f"| {p} | {r['ode_successes']} ({r['ode_strict']:.3f}) | "
+               f"{r['rollout_successes']} ({r['rollout_strict']:.3f}) |")
+        assert row in text, row
+    assert f"ODE strict **{table['overall']['ode_strict']:.3f}**" in text
+    assert f"rollout kernel **{table['overall']['rollout_strict']:.3f}**" in text
+    with open(os.path.join(ROOT, "benchmarks", "results", "shapes_sparse_pilot", "results.json")) as f:
+        (run,) = json.load(f)["runs"]
+    curve = " -> ".join(f"{e['trained']['overall']['strict']:.3f}" for e in run["evals"])
+    assert f"**{curve}**" in text and run["tier"] == 5 and len(run["iterations"]) == 20
