@@ -162,11 +162,15 @@ def call_with_timeout(fn: Callable, args: tuple, kwargs: dict, timeout: float | 
             return fn(*args, **kwargs)
 
     fut: Future = Future()
-    threading.Thread(target=_run, args=(fut, call, (), {}), name="trl_flow-reward-call", daemon=True).start()
+    thread = threading.Thread(target=_run, args=(fut, call, (), {}), name="trl_flow-reward-call", daemon=True)
+    thread.start()
     done, _ = wait([fut], timeout)
     if not done:
         pool = getattr(_local, "pool", None)
         if pool is not None and pool.closed:  # nobody waits for this worker any more: never wake up (see above)
             wait([fut])
         raise CallTimeout(f"no answer within {timeout:g} s")
+    # the call has returned: let its thread finish too (microseconds), so that no daemon thread is still unwinding
+    # when a process that ends right after this call shuts down (the abort described above)
+    thread.join()
     return fut.result()
