@@ -31,13 +31,9 @@ import math
 import os
 import re
 import shutil
-import signal
-import threading
 import time
 import uuid
 import warnings
-
-import torch
 
 from . import distributed
 
@@ -650,8 +646,3 @@ def apply_optimizer_settings(optimizer, scheduler, cfg) -> None:
     for group, base, fn in zip(optimizer.param_groups, scheduler.base_lrs, lambdas):
         group["lr"] = base * fn(scheduler.last_epoch)
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
-
-
-# --------------------------------------------------------------------------------------------- interrupts
-# The guard lives in interrupts.py (signals, its watcher thread, collective timeouts); the loop uses this name.
-from .interrupts import InterruptGuard  # noqa: E402,F401

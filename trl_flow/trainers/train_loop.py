@@ -16,6 +16,7 @@ import os
 from ..rewards import RewardError
 from . import checkpoints
 from . import output_dir as run_dir
+from .interrupts import InterruptGuard
 
 
 def train(trainer, resume_from_checkpoint=None):
@@ -49,7 +50,7 @@ def _iterate(trainer) -> None:
         _evaluate(trainer, start)
     # SIGINT / SIGTERM are deferred to the end of the iteration, which is then saved: a checkpoint never holds
     # part of an iteration. Anything raised mid-iteration (a failing reward, a second Ctrl-C) saves nothing.
-    guard = checkpoints.InterruptGuard(acc.print)
+    guard = InterruptGuard(acc.print)
     try:
         with guard:
             for step in range(start, cfg.max_steps):
