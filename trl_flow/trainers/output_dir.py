@@ -202,9 +202,9 @@ def prepare(trainer, resume) -> None:
     """At the start of ``train()``: resume (``resume`` = True / a folder, see
     :func:`~trl_flow.trainers.checkpoints.normalize_resume`; later checkpoints of the resumed run are moved aside
     by :func:`~trl_flow.trainers.checkpoints.set_aside_later`), or check that ``output_dir`` holds no earlier run's
-    outputs (removing them with ``overwrite_output_dir=True``); then clean interrupted saves and rewrite the log."""
+    outputs (removing them with ``overwrite_output_dir=True``); then clean interrupted saves and rewrite the log.
+    ``train()`` has checked ``output_dir`` with :func:`check_writable` and taken its lock (:func:`run_lock`)."""
     cfg, acc = trainer.config, trainer.accelerator
-    check_writable(cfg.output_dir)
     resume = checkpoints.normalize_resume(resume)
     if resume is not None:
         trainer.load_checkpoint(resume)
