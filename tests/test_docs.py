@@ -363,3 +363,23 @@ def test_sharp_base_numbers_are_the_committed_summary():
     assert f"{summary['base']:.3f} -> {fg['final_mean']:.3f} +- {fg['final_std']:.3f} on val at 3 seeds" in readme
     gains = [v - summary["base"] for v in fg["final_per_seed"]]
     assert min(gains) > 0 and (sum(gains) / 3) / (fg["final_std"] / 3 ** 0.5) > 3
+
+
+def test_flow_dppo_matched_numbers_are_the_committed_runs():
+    """docs/flow_dppo.md's matched-update statements are what the committed tier-2 runs give (results_page's
+    statistics on benchmarks/results/shapes_tier2_matched)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("results_page", os.path.join(ROOT, "benchmarks", "results_page.py"))
+    page = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(page)
+    p = page.load_panel("tier2")
+    text = _page_text(os.path.join("docs", "flow_dppo.md"))
+    one = page.compare(p, "flow_dppo_1epoch@0.001", "flow_grpo@0.001")
+    two = page.compare(p, "flow_dppo@0.001", "flow_grpo_2epochs@0.001")
+    epoch = page.compare(p, "flow_grpo_2epochs@0.001", "flow_grpo@0.001")
+    kl = page.compare(p, "flow_dppo_1epoch@0.001", "flow_grpo@0.001", "kl_at_target")
+    assert min(one["na"], one["nb"], two["na"], two["nb"]) >= 3
+    assert f"Welch t {one['t']:.1f}" in text and f"(t {two['t']:.1f})" in text and f"(t {epoch['t']:.1f})" in text
+    assert f"({kl['ratio']:.2f}x, t {kl['t']:.1f})" in text
+    assert abs(one["t"]) < page.T_DIFF and abs(two["t"]) < page.T_DIFF and abs(kl["t"]) >= page.T_DIFF  # the words
