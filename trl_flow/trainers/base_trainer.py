@@ -666,6 +666,10 @@ class FlowRLTrainer:
     def load_extra_state(self, path: str) -> None:
         """Restore what :meth:`save_extra_state` wrote."""
 
+    def check_saved_config(self, saved: dict, source: str) -> None:
+        """On resume, before anything is loaded: refuse a checkpoint whose saved config (``saved``, read from the file
+        ``source``) this method cannot continue (OP-GRPO: one of its former replay semantics)."""
+
     # ------------------------------------------------------------------------------------- export, hub
     def save_model(self, output_dir: str | None = None) -> str:
         """Write the trained weights in diffusers format (EMA weights if EMA is on), atomically: a failure or an

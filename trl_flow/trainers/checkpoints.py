@@ -573,6 +573,7 @@ def load_checkpoint(trainer, resume) -> CheckpointInfo:
         raise ValueError(f"resume_from_checkpoint: {info.path} was written by method {info.method!r}, this trainer "
                          f"is {trainer._method_name!r}; resume it with the same trainer class")
     saved_cfg = _read_json(os.path.join(info.path, CONFIG_NAME))
+    trainer.check_saved_config(saved_cfg, os.path.join(info.path, CONFIG_NAME))
     notices = compare_configs(saved_cfg, flat_config(cfg))
     distributed.check_resume(trainer, info.path, _read_json(os.path.join(info.path, COMPLETE_NAME)).get("num_processes"))
     try:

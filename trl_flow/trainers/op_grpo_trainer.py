@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
@@ -10,7 +9,6 @@ import torch
 from ..data import prompt_indices
 from ..replay_buffer import ReplayBuffer, ReplayEntry
 from ..rollout import concat_rollouts
-from . import checkpoints
 from .flow_grpo_trainer import FlowGRPOTrainer
 from .op_grpo_config import SEMANTICS_MARKER, OPGRPOConfig
 
@@ -278,24 +276,9 @@ class OPGRPOTrainer(FlowGRPOTrainer):
                              f"truncation_fraction={self.config.truncation_fraction}); pass truncation_step="
                              f"{shape[0] - 1} to keep using it, or start a new buffer")
 
-    def load_checkpoint(self, path):
+    def check_saved_config(self, saved: dict, source: str):
         """Refuse a checkpoint written under the pre-issue-38 OP-GRPO semantics (no ``replay_unit`` in its
-        trainer_config.json), unless the old meaning is asked for explicitly; then resume as usual."""
-        resume = checkpoints.normalize_resume(path)
-        folder = str(resume) if resume not in (True, None) else None
-        if resume is True:
-            complete, _ = checkpoints.find_checkpoints(self.config.output_dir)
-            folder = complete[-1].path if complete else None
-        marker = checkpoints.read_marker(folder) if folder else None
-        config_file = os.path.join(folder, checkpoints.CONFIG_NAME) if folder else None
-        # another method's checkpoint is refused by the base class, naming the method
-        if marker is not None and marker.method == self._method_name and os.path.isfile(config_file):
-            with open(config_file, encoding="utf-8") as f:
-                saved = json.load(f)
-            self._check_semantics(saved, config_file)
-        super().load_checkpoint(path)
-
-    def _check_semantics(self, saved: dict, source: str):
+        trainer_config.json), unless the old meaning is asked for explicitly."""
         cfg = self.config
         if SEMANTICS_MARKER in saved:
             return
