@@ -72,15 +72,13 @@ def check_hub_access(accelerator=None, hint: bool = True) -> None:
     does not answer / rejects the token. One ``whoami`` request, no retries. With several processes the main process
     checks and every process raises (none is left waiting in a collective). ``hint``: end the message with the
     ``push_to_hub=False`` advice (before training; not after it)."""
+    from .trainers.checkpoints import agree
+
     error = None
     if accelerator is None or accelerator.is_main_process:
         error = _hub_access_error(hint)
-    if accelerator is not None and accelerator.num_processes > 1:
-        from accelerate.utils import broadcast_object_list
-
-        box = [error]
-        broadcast_object_list(box, from_process=0)
-        error = box[0]
+    if accelerator is not None:
+        error = agree(accelerator, error)
     if error:
         raise RuntimeError(error)
 
