@@ -171,9 +171,7 @@ class OPGRPOTrainer(FlowGRPOTrainer):
         best = []
         for g in torch.unique(gids).tolist():
             cand = torch.nonzero(ok & (gids == g)).flatten()
-            if top == 1 and len(cand):
-                best.append(int(cand[rewards[cand].argmax()]))
-            elif len(cand):  # ties keep sample order
+            if len(cand):  # ties keep sample order (top 1: the first best, as argmax)
                 order = torch.sort(rewards[cand], descending=True, stable=True).indices[:top]
                 best.extend(int(cand[j]) for j in order)
         if not best:
