@@ -232,6 +232,22 @@ def test_per_step_normalisation_in_the_trainer(tmp_path, fresh_pipe):
     assert log_at(trainer, 1, "stepwise/extra_velocity_evals") == 0  # T' = 1 reuses the rollout's velocities
 
 
+@pytest.mark.parametrize("clip", [0.5, 1e6])
+def test_advantage_clip_fraction_is_logged(tmp_path, fresh_pipe, clip):
+    """``stepwise/adv_clip_frac``: the share of trained pairs whose jointly normalised advantage exceeds
+    ``adv_clip_max`` (the advantages used are clipped there)."""
+    trainer = make(tmp_path, fresh_pipe, rewards=[brightness_x1000], num_substeps=1, max_steps=1, adv_clip_max=clip)
+    trainer.train()
+    ro = trainer.last_rollout
+    g = ro.extras["gains"].masked_fill(~ro.train_mask.cpu(), float("nan"))
+    raw = step_advantages(g, ro.group_ids.cpu(), "joint", clip=None)
+    valid = ~torch.isnan(g)
+    expected = float((raw[valid].abs() > clip).float().mean())
+    assert log_at(trainer, 1, "stepwise/adv_clip_frac") == pytest.approx(expected)
+    assert (expected > 0) == (clip < 1) and float(ro.advantages.abs().max()) <= clip + 1e-6
+    torch.testing.assert_close(ro.advantages.cpu(), raw.clamp(-clip, clip))
+
+
 # ---------------------------------------------------------------------------------------------- training
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_brightness_reward_moves_the_policy(tmp_path, fresh_pipe, sign):

@@ -194,10 +194,16 @@ class StepwiseFlowGRPOTrainer(FlowGRPOTrainer):
         # trained pairs only: deterministic steps and missing rewards are left out of every statistic
         gains = self.gather(rollout.extras["gains"].masked_fill(~rollout.train_mask.cpu(), float("nan")))
         group_ids = self.gather(rollout.group_ids)
-        adv = step_advantages(gains, group_ids, cfg.gain_normalization, clip=cfg.adv_clip_max)
+        raw = step_advantages(gains, group_ids, cfg.gain_normalization, clip=None)
+        adv = raw.clamp(-cfg.adv_clip_max, cfg.adv_clip_max) if cfg.adv_clip_max is not None else raw
         rollout.advantages = adv[self._local_slice(len(adv))].to(self.device)
-        rollout.extras.setdefault("metrics", {}).update(
-            self.stepwise_metrics(self.gather(rollout.extras["step_rewards"]), gains, rollout.trained_steps()))
+        metrics = rollout.extras.setdefault("metrics", {})
+        metrics.update(self.stepwise_metrics(self.gather(rollout.extras["step_rewards"]), gains, rollout.trained_steps()))
+        # share of trained (trajectory, step) pairs whose advantage the +-adv_clip_max clip cut: joint normalisation
+        # can give a few large early gains far more than 5 std
+        valid = ~torch.isnan(gains)
+        if cfg.adv_clip_max is not None and valid.any():
+            metrics["stepwise/adv_clip_frac"] = float((raw[valid].abs() > cfg.adv_clip_max).float().mean())
 
     # ------------------------------------------------------------------------------------------- 4. logs
     @staticmethod
