@@ -133,7 +133,7 @@ def cell(p: dict | None, a: str, b: str | None, field: str = "final") -> tuple[s
     c = compare(p, a, b, field)
     if c is None:
         return "target not reached", None
-    nd = 4 if field == "kl_at_target" else (0 if field == "cpu_to_target" else 3)
+    nd = 4 if field == "kl_at_target" else (0 if field in ("cpu_to_target", "steps_to_target") else 3)
     ratio = f" ({c['ratio']:.2f}x)" if field != "final" and c["ratio"] is not None else ""
     t = "" if c["t"] is None else f", t {c['t']:+.1f}"
     n_a, n_b = len(p["methods"][a][field]), len(p["methods"][b][field])
