@@ -21,6 +21,10 @@ import torch
 from .threads import DaemonPool
 
 
+class _Stopped(RuntimeError):
+    """A job skipped because an earlier one failed (or the scoring was closed)."""
+
+
 class OverlappedScoring:
     """Decode and score the microbatches of one sampling call in ``num_workers`` threads.
 
@@ -39,6 +43,7 @@ class OverlappedScoring:
         self.device = torch.device(device)
         self.jobs: list[tuple[int, int, Future]] = []
         self.failed = False  # a job raised: the later ones do nothing (fail fast, and nothing runs on at exit)
+        self.error: BaseException | None = None  # the first job's own error (set before `failed`)
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -48,7 +53,9 @@ class OverlappedScoring:
         for _, _, fut in self.jobs:  # fail fast: a reward that raised stops the sampling early
             if fut.done() and fut.exception() is not None:
                 self.close()
-                raise fut.exception()
+                # the reward's own error, not a later job's stop (which can finish first: the failing job sets
+                # `failed` before its future holds the error)
+                raise self.error or fut.exception()
         lo, hi, _ = rows.indices(len(self.prompts))
         states = final_states.detach().clone()
         columns = {k: list(v[lo:hi]) for k, v in self.columns.items()}
@@ -64,13 +71,18 @@ class OverlappedScoring:
                 t0 = time.perf_counter()
                 total, per_func = self.reward(images, prompts, columns)
                 return images, total, per_func, time.perf_counter() - t0
-        except BaseException:
+        except _Stopped:
+            raise
+        except BaseException as e:
+            if self.error is None:
+                self.error = e
             self.failed = True
             raise
 
     def _check_going(self) -> None:
         if self.failed or self.pool.closed:
-            raise RuntimeError("overlapped scoring: stopped after an earlier failure")
+            raise _Stopped("overlapped scoring: stopped after an earlier failure")
+
 
     def close(self) -> None:
         """Cancel the queued jobs; never waits for a running one (a hung reward is left behind)."""
