@@ -69,25 +69,8 @@ def main(argv=None):
             print(readme_summary(json.load(f)))
         return
     torch.set_num_threads(args.threads)
-
-    torch.manual_seed(args.seed)
-    pipe = shapes.load_base_pipeline(variant="noisy")
-    cfg_name, trainer_name, settings = METHODS[args.method]
-    config = getattr(trl_flow, cfg_name)(
-        output_dir=args.output_dir, overwrite_output_dir=True, seed=args.seed, max_steps=args.steps,
-        height=32, width=32, num_inference_steps=10, guidance_scale=shapes.DEFAULT_GUIDANCE_SCALE,
-        max_sequence_length=shapes.MAX_SEQUENCE_LENGTH, eval_num_inference_steps=shapes.DEFAULT_NUM_INFERENCE_STEPS,
-        num_generations=16, prompts_per_step=4, per_device_train_batch_size=32, clip_range=1e-3, beta=0.0,
-        same_noise_per_group=True, lora_r=16, lora_alpha=32, per_device_eval_batch_size=200, **settings,
-    )
-    train = datasets.Dataset.from_dict({"prompt": TRAIN_PROMPTS, "category": ["position"] * len(TRAIN_PROMPTS)})
-    val = shapes.val_prompts().filter(lambda r: r["category"] == "position")
-    test = val.select(range(min(HELD_OUT_PROMPTS, len(val))))
-    trainer = getattr(trl_flow, trainer_name)(config, pipe, [get_reward("shapes_dense")], train_dataset=train)
-
+    trainer, sets = make_trainer(args.method, args.seed, args.steps, args.output_dir, args.images_per_prompt)
     n = args.images_per_prompt
-    sets = {name: ([p for p in ds["prompt"] for _ in range(n)], [c for c in ds["category"] for _ in range(n)])
-            for name, ds in (("trained_prompts", train), ("held_out_prompts", test))}
     before = {name: trainer.generate(p, seed=1234)[0] for name, (p, _) in sets.items()}
     cpu0, wall0 = time.process_time(), time.perf_counter()
     trainer.train()
@@ -113,6 +96,31 @@ def main(argv=None):
         print(f"\n{name}, before training:\n" + shapes.reward.format_evaluation(scores[name]["before"]))
         print(f"{name}, after training:\n" + shapes.reward.format_evaluation(scores[name]["after"]))
     print(f"\nwrote {args.output_dir}/pytorch_lora_weights.safetensors, before_after.png, scores.json")
+
+
+def make_trainer(method: str, seed: int, steps: int, output_dir: str, images_per_prompt: int, **overrides):
+    """The quickstart's trainer and its evaluation sets ``{"trained_prompts": (prompts, categories),
+    "held_out_prompts": (...)}``, each prompt repeated ``images_per_prompt`` times (also used by
+    ``scripts/quickstart_seeds.py``; ``overrides``: config fields that replace the method's settings)."""
+    torch.manual_seed(seed)
+    pipe = shapes.load_base_pipeline(variant="noisy")
+    cfg_name, trainer_name, settings = METHODS[method]
+    config = getattr(trl_flow, cfg_name)(
+        output_dir=output_dir, overwrite_output_dir=True, seed=seed, max_steps=steps,
+        height=32, width=32, num_inference_steps=10, guidance_scale=shapes.DEFAULT_GUIDANCE_SCALE,
+        max_sequence_length=shapes.MAX_SEQUENCE_LENGTH, eval_num_inference_steps=shapes.DEFAULT_NUM_INFERENCE_STEPS,
+        num_generations=16, prompts_per_step=4, per_device_train_batch_size=32, clip_range=1e-3, beta=0.0,
+        same_noise_per_group=True, lora_r=16, lora_alpha=32, per_device_eval_batch_size=200,
+        **{**settings, **overrides},
+    )
+    train = datasets.Dataset.from_dict({"prompt": TRAIN_PROMPTS, "category": ["position"] * len(TRAIN_PROMPTS)})
+    val = shapes.val_prompts().filter(lambda r: r["category"] == "position")
+    test = val.select(range(min(HELD_OUT_PROMPTS, len(val))))
+    trainer = getattr(trl_flow, trainer_name)(config, pipe, [get_reward("shapes_dense")], train_dataset=train)
+    n = images_per_prompt
+    sets = {name: ([p for p in ds["prompt"] for _ in range(n)], [c for c in ds["category"] for _ in range(n)])
+            for name, ds in (("trained_prompts", train), ("held_out_prompts", test))}
+    return trainer, sets
 
 
 def readme_summary(scores: dict) -> str:

@@ -144,10 +144,34 @@ def test_gains_telescope_and_joint_normalisation(tmp_path, fresh_pipe):
     assert m["stepwise/neg_gain_frac"] == pytest.approx(float((g[:, : K - 1] < 0).float().mean()))
     corr = torch.corrcoef(torch.stack([r[:, 1], r[:, K]]).double())[0, 1]
     assert m["stepwise/reward_corr/step_1"] == pytest.approx(float(corr))
-    # cost: T' - 1 = 2 guided evaluations per estimated state, 8 x 4 states in chunks of 5
-    assert m["stepwise/extra_velocity_evals"] == 8 * K * 2 and m["stepwise/extra_decodes"] == 8 * K
-    assert m["stepwise/extra_transformer_calls"] == math.ceil(8 * K / 5) * 2
+    # cost: T' - 1 = 2 guided evaluations per estimated state, 8 x 4 states in chunks of 5, less x_0 of the 3 later
+    # members of each group of 4 (shared initial noise: one x_0, one r_0 per group)
+    pairs = 8 * K - 2 * 3
+    assert m["stepwise/shared_estimates"] == 6
+    assert m["stepwise/extra_velocity_evals"] == pairs * 2 and m["stepwise/extra_decodes"] == pairs
+    assert m["stepwise/extra_transformer_calls"] == math.ceil(pairs / 5) * 2
     assert m["stepwise/extra_s"] > 0 and m["ratio_first_max_dev"] == 0.0
+
+
+@pytest.mark.parametrize("same_noise", [True, False])
+def test_r0_is_estimated_once_per_group_with_shared_noise(tmp_path, fresh_pipe, same_noise):
+    """Shared initial noise makes x_0 one state per group: r_0 is computed for the group's first member and
+    equals what each member's own estimate scores (to float tolerance: the batch differs); independent noise
+    shares nothing."""
+    trainer = make(tmp_path, fresh_pipe, rewards=[brightness_x1000], max_steps=1, same_noise_per_group=same_noise)
+    ro = trainer.make_rollout(0)  # the policy that estimated r_0, not updated yet
+    r0 = ro.extras["step_rewards"][:, 0]
+    n = len(ro)
+    own = trainer.clean_estimate(ro, torch.arange(n), torch.zeros(n, dtype=torch.long))
+    expected = brightness_x1000(trainer.decode(own), ro.prompts).float()
+    torch.testing.assert_close(r0, expected, rtol=1e-6, atol=0)
+    shared = ro.extras["metrics"]["stepwise/shared_estimates"]
+    if same_noise:
+        for gid in ro.group_ids.unique():
+            assert torch.equal(r0[ro.group_ids.cpu() == gid], r0[ro.group_ids.cpu() == gid][:1].expand(4))
+        assert shared == n - len(ro.group_ids.unique())
+    else:
+        assert shared == 0 and len(set(r0.tolist())) == n
 
 
 def test_ddim_first_step_is_deterministic_and_untrained(tmp_path, fresh_pipe):
@@ -195,9 +219,10 @@ def test_none_for_an_intermediate_estimate_is_left_out(tmp_path, fresh_pipe):
             vals[5] = float("nan")
         return vals
 
-    # ddim: its first step has no density, so the states an iteration scores are 1, 2, 3 (the call count above)
+    # ddim: its first step has no density, so the states an iteration scores are 1, 2, 3 (the call count above);
+    # independent noise: no state is shared within a group, so every call scores 8 states
     trainer = make(tmp_path, fresh_pipe, rewards=[flaky], sampler="ddim", max_steps=2, per_device_eval_batch_size=8,
-                   beta=0.04, learning_rate=3e-3)
+                   beta=0.04, learning_rate=3e-3, same_noise_per_group=False)
     before = [p.detach().clone() for p in trainer.trainable_params]
     trainer.train()
     ro = trainer.last_rollout

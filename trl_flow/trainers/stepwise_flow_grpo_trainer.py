@@ -155,7 +155,8 @@ class StepwiseFlowGRPOTrainer(FlowGRPOTrainer):
         steps = self.estimated_steps(rollout)
         rewards = torch.full((n, K + 1), float("nan"))
         rewards[:, K] = rollout.rewards.float().cpu()
-        pairs = [(i, k) for k in steps for i in range(n)]
+        shared = self.shared_estimates(rollout, steps)
+        pairs = [(i, k) for k in steps for i in range(n) if (i, k) not in shared]
         bs = cfg.per_device_eval_batch_size
         calls = 0
         reward_s = 0.0
@@ -172,6 +173,8 @@ class StepwiseFlowGRPOTrainer(FlowGRPOTrainer):
                                {c: [vals[i] for i in rows] for c, vals in rollout.columns.items()})
             reward_s += time.perf_counter() - t_r
             rewards[samples.cpu(), ks.cpu()] = r.float()
+        for (i, k), j in shared.items():
+            rewards[i, k] = rewards[j, k]
         gains = rewards[:, 1:] - rewards[:, :-1]
         trained = torch.zeros(K, dtype=torch.bool)
         trained[rollout.trained_steps()] = True
@@ -186,7 +189,30 @@ class StepwiseFlowGRPOTrainer(FlowGRPOTrainer):
             "stepwise/extra_velocity_evals_per_rollout_eval": float(evals.sum()) / (cfg.train_batch_size * K),
             "stepwise/extra_decodes": float(self.gather(torch.tensor([float(len(pairs))], device=self.device)).sum()),
             "stepwise/extra_s": time.perf_counter() - t0,
+            "stepwise/shared_estimates": float(self.gather(torch.tensor([float(len(shared))], device=self.device)).sum()),
         })
+
+    @staticmethod
+    def shared_estimates(rollout, steps: list[int]) -> dict[tuple[int, int], int]:
+        """``{(i, k): j}`` for each pair whose state ``x_k`` and velocity equal (bitwise) those of the group's first
+        sample ``j`` with the same prompt and columns: its estimate and reward are ``j``'s, computed once. With
+        shared initial noise (``same_noise_per_group``) ``x_0`` is one state per group, so ``r_0`` is one value
+        per group (with ``ddim``, whose first step is deterministic, ``x_1`` too). A reward that scores one image
+        differently on each call then gives the whole group the same ``r_0``, as the paper's definition does."""
+        shared = {}
+        gids = rollout.group_ids.tolist()
+        first: dict[int, int] = {}
+        for i, g in enumerate(gids):
+            first.setdefault(g, i)
+        for k in steps:
+            for i, g in enumerate(gids):
+                j = first[g]
+                if (j != i and rollout.prompts[i] == rollout.prompts[j]
+                        and all(vals[i] == vals[j] for vals in rollout.columns.values())
+                        and torch.equal(rollout.states[i, k], rollout.states[j, k])
+                        and torch.equal(rollout.velocities[i, k], rollout.velocities[j, k])):
+                    shared[(i, k)] = j
+        return shared
 
     # ------------------------------------------------------------------------------ 3. per-step advantages
     def compute_advantages(self, rollout):
