@@ -5,22 +5,93 @@ from .flux import FluxAdapter
 from .sd3 import SD3Adapter
 from .wan import WanAdapter
 
-_ADAPTERS = {"StableDiffusion3Pipeline": SD3Adapter, "FluxPipeline": FluxAdapter, "WanPipeline": WanAdapter}
+GUIDE = "docs/adding_a_model.md"
+ENTRY_POINT_GROUP = "trl_flow.adapters"
+
+# pipeline class name -> adapter class, or "module:Class" (a module of this package, imported when first needed)
+_ADAPTERS: dict[str, type | str] = {
+    "StableDiffusion3Pipeline": SD3Adapter,
+    "FluxPipeline": FluxAdapter,
+    "WanPipeline": WanAdapter,
+}
+_entry_points_loaded = False
+
+
+def register_adapter(pipeline_class, adapter_class, overwrite: bool = False) -> None:
+    """Make every trainer accept pipelines of ``pipeline_class`` (a class or its name; subclasses match too)
+    through ``adapter_class``, a :class:`FlowAdapter` subclass built as ``adapter_class(pipe, **options)``.
+
+    Registering a name that already has an adapter raises ``ValueError`` unless ``overwrite=True``. Installed
+    packages can register without being imported, with an entry point in the ``trl_flow.adapters`` group
+    (``MyPipeline = "my_pkg.adapter:MyAdapter"``). The contract and a worked example: docs/adding_a_model.md.
+    """
+    name = pipeline_class if isinstance(pipeline_class, str) else getattr(pipeline_class, "__name__", None)
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"register_adapter: pipeline_class must be a class or a class name, got {pipeline_class!r}")
+    if not (isinstance(adapter_class, type) and issubclass(adapter_class, FlowAdapter)):
+        raise TypeError(f"register_adapter: adapter_class must be a subclass of trl_flow.models.FlowAdapter, got "
+                        f"{adapter_class!r} (see {GUIDE})")
+    current = _ADAPTERS.get(name)
+    if current is not None and current is not adapter_class and not overwrite:
+        raise ValueError(f"register_adapter: {name} already has an adapter ({_adapter_name(current)}); pass "
+                         "overwrite=True to replace it")
+    _ADAPTERS[name] = adapter_class
+
+
+def registered_adapters() -> dict[str, str]:
+    """Pipeline class name -> adapter class name, for every registered family (entry points included)."""
+    _load_entry_points()
+    return {k: _adapter_name(v) for k, v in sorted(_ADAPTERS.items())}
+
+
+def _adapter_name(entry) -> str:
+    return entry.rsplit(":", 1)[-1] if isinstance(entry, str) else entry.__name__
+
+
+def _resolve(name: str) -> type:
+    entry = _ADAPTERS[name]
+    if isinstance(entry, str):
+        import importlib
+
+        module, _, cls = entry.partition(":")
+        entry = _ADAPTERS[name] = getattr(importlib.import_module(module, __name__), cls)
+    return entry
+
+
+def _load_entry_points() -> None:
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name not in _ADAPTERS:
+            try:
+                register_adapter(ep.name, ep.load())
+            except Exception as e:  # a broken plug-in must not break the built-in families
+                import warnings
+
+                warnings.warn(f"trl_flow: entry point {ep.name} = {ep.value} ({ENTRY_POINT_GROUP}) could not be "
+                              f"registered: {type(e).__name__}: {e}", stacklevel=3)
 
 
 def get_adapter(pipe, **options) -> FlowAdapter:
-    """The adapter for a diffusers pipeline, chosen by the pipeline's class (or a base class) name; ``options`` go
-    to the adapter (e.g. ``FluxAdapter``'s ``true_cfg_scale``). An adapter is returned as it is, so every trainer
-    accepts a configured adapter in place of a pipeline."""
+    """The adapter for a diffusers pipeline, chosen by the pipeline's class (or a base class) name among the
+    registered ones (:func:`register_adapter`); ``options`` go to the adapter (e.g. ``FluxAdapter``'s
+    ``true_cfg_scale``). An adapter is returned as it is, so every trainer accepts a configured adapter in place
+    of a pipeline."""
     if isinstance(pipe, FlowAdapter):
         if options:
             raise TypeError(f"get_adapter: got an adapter and options {sorted(options)}; set them on the adapter")
         return pipe
+    _load_entry_points()
     for cls in type(pipe).__mro__:
         if cls.__name__ in _ADAPTERS:
-            return _ADAPTERS[cls.__name__](pipe, **options)
+            return _resolve(cls.__name__)(pipe, **options)
     raise TypeError(
-        f"pipe: no trl_flow adapter for {type(pipe).__name__}; supported pipelines: {sorted(_ADAPTERS)}"
+        f"pipe: no trl_flow adapter for {type(pipe).__name__}; supported pipelines: {sorted(_ADAPTERS)}. To add "
+        f"one: trl_flow.models.register_adapter({type(pipe).__name__}, YourAdapter), guide in {GUIDE}"
     )
 
 
@@ -54,5 +125,5 @@ def _dtype_keyword() -> str:
     return "dtype" if re.search(r"^\s*dtype \(", doc, flags=re.M) else "torch_dtype"
 
 
-__all__ = ["load_pipeline", "FlowAdapter", "FluxAdapter", "PromptEmbeds", "Schedule", "SD3Adapter", "WanAdapter",
+__all__ = ["load_pipeline", "register_adapter", "registered_adapters", "FlowAdapter", "FluxAdapter", "PromptEmbeds", "Schedule", "SD3Adapter", "WanAdapter",
            "get_adapter", "cat_embeds", "index_embeds"]
