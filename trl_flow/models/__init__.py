@@ -12,7 +12,11 @@ ENTRY_POINT_GROUP = "trl_flow.adapters"
 _ADAPTERS: dict[str, type | str] = {
     "StableDiffusion3Pipeline": SD3Adapter,
     "FluxPipeline": FluxAdapter,
-    "WanPipeline": WanAdapter,
+    "WanPipeline": WanAdapter,  # Wan2.1 and Wan2.2 (two experts, expand_timesteps)
+    "QwenImagePipeline": ".qwen_image:QwenImageAdapter",
+    "Flux2Pipeline": ".flux2:Flux2Adapter",
+    "Flux2KleinPipeline": ".flux2:Flux2KleinAdapter",
+    "ZImagePipeline": ".zimage:ZImageAdapter",
 }
 _entry_points_loaded = False
 

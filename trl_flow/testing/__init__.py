@@ -1,7 +1,8 @@
 """Tiny, fully offline diffusers pipelines for tests, docs and CPU smoke runs.
 
 The components are the real diffusers/transformers classes, built from tiny configs with random weights, and
-the tokenizers are built in memory, so nothing is downloaded.
+the tokenizers are built in memory, so nothing is downloaded. The SD3, FLUX.1 and Wan2.1 builders are here; each
+newer family has its own module beside this one, imported when its builder is first used.
 """
 
 from __future__ import annotations
@@ -218,3 +219,22 @@ def tiny_wan_pipeline(seed: int = 0, num_layers: int = 2, scheduler: str = "unip
     pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=sched,
                        transformer=transformer)
     return _finish(pipe, (transformer, vae, text_encoder))
+
+
+# builder name -> module of this package that defines it (imported on first use)
+_FAMILY_BUILDERS = {
+    "tiny_qwen_image_pipeline": "qwen_image",
+    "tiny_flux2_pipeline": "flux2",
+    "tiny_flux2_klein_pipeline": "flux2",
+    "tiny_wan22_pipeline": "wan22",
+    "tiny_wan22_5b_pipeline": "wan22",
+    "tiny_zimage_pipeline": "zimage",
+}
+
+
+def __getattr__(name):
+    if name in _FAMILY_BUILDERS:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_FAMILY_BUILDERS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
