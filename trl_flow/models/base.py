@@ -65,7 +65,28 @@ JOINT_ATTENTION_PROJECTIONS: tuple[str, ...] = (
 
 
 class FlowAdapter:
-    """Base class of the pipeline adapters. Subclasses implement the methods below."""
+    """Base class of the pipeline adapters: the contract between a diffusers pipeline family and every trainer.
+
+    A subclass implements :meth:`encode_prompts`, :meth:`schedule`, :meth:`latent_shape`, :meth:`velocity` and
+    :meth:`decode` (and sets :attr:`pipeline_class`); the rest has defaults. It is built as
+    ``AdapterClass(pipe, **options)`` and registered with :func:`trl_flow.models.register_adapter`; the guide with a
+    worked example is docs/adding_a_model.md. Notation: B a batch, L = ``latent_shape(H, W)`` (e.g. (C, h, w); video
+    (C, F', h, w)), K the number of sampling steps.
+
+    What the trainers rely on:
+
+    * **Parity.** With the ``ode`` kernel, ``initial_noise`` -> ``velocity`` at each ``schedule`` step -> Euler
+      ``x + (sigma[k + 1] - sigma[k]) v`` reproduces ``pipe(..., output_type="latent")`` from the same noise (bit for
+      bit in float32), and ``decode`` is the pipeline's decoded output. Use the pipeline's own methods for this.
+    * **Determinism.** Every operation is a pure function of its inputs and the weights: no global RNG, no state
+      carried between calls (caches keyed by shape are fine). The only randomness is ``initial_noise``'s
+      ``generator``. A sample's result must not depend on which other samples share its batch (the trainer samples,
+      re-scores and evaluates in different chunkings).
+    * **Precision.** Inputs ``x`` and returned velocities / latents / images are float32; an adapter casts to the
+      transformer's or VAE's dtype inside (bf16 training: the trainer wraps the calls in autocast).
+    * **Gradients.** The trainers call ``velocity`` with gradients enabled on the LoRA-wrapped ``model`` and
+      back-propagate through it; never wrap it in ``torch.no_grad()`` and never cache its output.
+    """
 
     #: LoRA target modules used when the config gives none.
     default_lora_target_modules: tuple[str, ...] = ()
@@ -110,32 +131,74 @@ class FlowAdapter:
         return self.transformer.device
 
     def encode_prompts(self, prompts: list[str], guidance: bool, max_sequence_length: int) -> PromptEmbeds:
+        """Prompt conditioning for ``prompts`` (B strings): a dict of tensors, each with the batch first (B, ...),
+        on :attr:`device`, in the text encoders' dtype.
+
+        * Keys: the pipeline's own ``__call__`` argument names (``prompt_embeds``, ``pooled_prompt_embeds``, ...),
+          so ``pipe(**embeds)`` takes them (the benchmarks rely on this).
+        * ``guidance`` is ``guidance_scale > 1``: return the unconditional embeddings too
+          (``negative_prompt_embeds``, ...) when the family does classifier-free guidance with two branches;
+          distilled-guidance families ignore it.
+        * Shapes must not depend on the other prompts of the batch: pad to ``max_sequence_length`` (as the
+          pipelines do), because the trainer encodes in chunks and concatenates them (:func:`cat_embeds`), then
+          indexes single rows (:func:`index_embeds`). A family whose pipeline trims to the longest prompt must pad
+          (and pass a mask) here.
+        * Called under ``torch.no_grad()`` (text encoders are frozen); the result is stored in the rollout.
+        """
         raise NotImplementedError
 
     def check_size(self, height: int, width: int) -> None:
         """Raise ``ValueError`` naming height/width if the model cannot generate at this size (before any compute)."""
 
     def schedule(self, num_inference_steps: int, height: int, width: int) -> Schedule:
+        """The pipeline's sampling schedule for K = ``num_inference_steps`` at this size (resolution-dependent
+        shifts included), on :attr:`device`: ``sigmas`` (K + 1,) float32 decreasing from 1 to 0 and ``timesteps``
+        (K,) exactly as the pipeline passes them to its scheduler/transformer. Build it with the pipeline's own
+        helpers (``retrieve_timesteps``, ``calculate_shift``) so it is the pipeline's schedule.
+
+        Timestep convention: ``timesteps`` must be ``sigmas[:-1] * scale`` (flow matching: scale 1000 in diffusers'
+        schedulers); StepwiseFlowGRPO evaluates :meth:`velocity` between steps at ``sigma * scale`` and refuses a
+        schedule that is not proportional. Called once per rollout (it may set the scheduler's state)."""
         raise NotImplementedError
 
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+        """The shape L of one sample's latent state, without the batch: what the kernels, log-probs and KL work on.
+        Store latents *unpacked* when the transformer packs them (FLUX: (C, h, w)); pack inside :meth:`velocity`
+        (a permutation does not change a Gaussian kernel's log-prob)."""
         raise NotImplementedError
 
     def initial_noise(self, n: int, height: int, width: int, generator: torch.Generator) -> torch.Tensor:
-        """(n, *latent_shape) float32 standard normal noise drawn with ``generator`` (on its device)."""
+        """(n, *latent_shape) float32 standard normal noise drawn with ``generator`` (on its device; the trainers
+        pass a CPU generator and move the result). Override it only where the pipeline draws its noise in another
+        shape or order (e.g. packed), so that ``pipe(generator=torch.Generator().manual_seed(s))`` starts from
+        ``initial_noise(n, H, W, torch.Generator().manual_seed(s))``. Draw from ``generator`` only."""
         shape = (n, *self.latent_shape(height, width))
         return torch.randn(shape, generator=generator, device=generator.device, dtype=torch.float32)
 
     def velocity(self, model, x, timestep, embeds: PromptEmbeds, guidance_scale: float,
                  detach_uncond: bool = False) -> torch.Tensor:
-        """Guided velocity (B, *latent_shape) float32 of ``model`` at states ``x`` and a 0-d/(B,) ``timestep``.
+        """Guided velocity (B, *latent_shape) float32 of ``model`` at states ``x`` (B, *latent_shape) float32.
 
-        ``detach_uncond``: with classifier-free guidance, detach the unconditional prediction (same value, no
-        gradient through that branch; ``guidance_grad="cond_only"``)."""
+        * ``model``: the transformer to call, *not* necessarily ``self.transformer`` (the trainer passes the
+          LoRA-wrapped / accelerate-prepared policy, or the reference with the LoRA disabled). Call it with the
+          pipeline's keyword arguments; cast ``x`` and the embeddings to the transformer's dtype inside.
+        * ``timestep``: a 0-d tensor (one of ``schedule().timesteps``) or a (B,) tensor of per-sample timesteps on
+          the same scale (StepwiseFlowGRPO); convert it as the pipeline does (e.g. FLUX divides by 1000).
+        * ``embeds``: rows of :meth:`encode_prompts`' output matching ``x``.
+        * ``guidance_scale``: the trainer's ``guidance_scale``, applied as the pipeline applies its guidance
+          (two-branch CFG ``v_u + g (v_c - v_u)`` when ``guidance_scale > 1`` and the negative embeddings are
+          present; or a distilled guidance embedding in one pass; or the family's own variant, e.g. CFG-renorm).
+        * ``detach_uncond``: with two-branch guidance, detach the unconditional prediction (same value, no gradient
+          through that branch; ``guidance_grad="cond_only"``). Ignore it when there is one branch.
+
+        The sign and scale are the scheduler's: one Euler step is ``x + (sigma_next - sigma) * v``."""
         raise NotImplementedError
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Images (B, 3, H, W) float32 in [0, 1] from latents (B, *latent_shape)."""
+        """Samples (B, *output_shape) float32 in [0, 1] from latents (B, *latent_shape) float32: images
+        (B, 3, H, W), videos (B, F, 3, H, W). Undo the VAE's scaling/shift (or latents mean/std) as the pipeline
+        does and map [-1, 1] to [0, 1] with ``(x / 2 + 0.5).clamp(0, 1)``, so the result equals the pipeline's
+        ``output_type="pt"`` output. Called under ``torch.no_grad()``; the rewards get exactly this."""
         raise NotImplementedError
 
     def save_lora_weights(self, save_directory: str, state_dict: dict, metadata: dict | None) -> None:
