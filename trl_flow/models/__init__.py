@@ -69,15 +69,22 @@ def _load_entry_points() -> None:
     _entry_points_loaded = True
     from importlib.metadata import entry_points
 
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name not in _ADAPTERS:
-            try:
-                register_adapter(ep.name, ep.load())
-            except Exception as e:  # a broken plug-in must not break the built-in families
-                import warnings
+    import warnings
 
-                warnings.warn(f"trl_flow: entry point {ep.name} = {ep.value} ({ENTRY_POINT_GROUP}) could not be "
-                              f"registered: {type(e).__name__}: {e}", stacklevel=3)
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        current = _ADAPTERS.get(ep.name)
+        if current is not None:  # registered before (a built-in, or by the plug-in itself): that one stays
+            if ep.value != (current.lstrip(".") if isinstance(current, str) else
+                            f"{current.__module__}:{current.__qualname__}"):
+                warnings.warn(f"trl_flow: entry point {ep.name} = {ep.value} ({ENTRY_POINT_GROUP}) ignored: "
+                              f"{ep.name} already has an adapter ({_adapter_name(current)}); call "
+                              "register_adapter(..., overwrite=True) to replace it", stacklevel=3)
+            continue
+        try:
+            register_adapter(ep.name, ep.load())
+        except Exception as e:  # a broken plug-in must not break the built-in families
+            warnings.warn(f"trl_flow: entry point {ep.name} = {ep.value} ({ENTRY_POINT_GROUP}) could not be "
+                          f"registered: {type(e).__name__}: {e}", stacklevel=3)
 
 
 def get_adapter(pipe, **options) -> FlowAdapter:
