@@ -8,6 +8,8 @@ from .kernels import gaussian_kl, sde_step
 from .rewards import jpeg_compressibility, jpeg_incompressibility
 from .replay_buffer import ReplayBuffer, ReplayEntry
 from .trainers import (
+    DiffusionNFTConfig,
+    DiffusionNFTTrainer,
     FlowDPPOConfig,
     FlowDPPOTrainer,
     FlowGRPOConfig,
@@ -23,6 +25,8 @@ from .trainers import (
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "DiffusionNFTConfig",
+    "DiffusionNFTTrainer",
     "FlowDPPOConfig",
     "FlowDPPOTrainer",
     "FlowGRPOConfig",

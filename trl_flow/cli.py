@@ -34,6 +34,9 @@ TRAINERS: dict[str, tuple[str, str, str]] = {
     "stepwise": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer",
                  "Stepwise-Flow-GRPO: per-step credit from intermediate rewards (arXiv 2603.28718)"),
     "dppo": ("FlowDPPOConfig", "FlowDPPOTrainer", "Flow-DPPO: KL trust region instead of ratio clipping (arXiv 2606.11025)"),
+    "nft": ("DiffusionNFTConfig", "DiffusionNFTTrainer",
+            "DiffusionNFT: forward-process RL with implicit positive / negative policies, any sampler, CFG-free "
+            "(arXiv 2509.16117)"),
 }
 REWARD_SERVER = "reward-server"
 _CHILD_ENV = "TRL_FLOW_UNDER_ACCELERATE_LAUNCH"  # set for the processes that --accelerate_config starts
@@ -85,7 +88,7 @@ class ScriptArguments:
     eval_dataset: str | None = field(default=None, metadata={"help": "Evaluation prompts, in any format of `dataset_name`; its `dataset_test_split` split is loaded."})
     reward_funcs: list[str] | None = field(default=None, metadata={"help": "Rewards: names exported by `trl_flow.rewards` (e.g. jpeg_incompressibility), shapes_partial / shapes_strict, `module:callable` (a class is instantiated without arguments), or the http(s) URL of a `trl-flow reward-server`, with its client options in the query string: `http://host:8001?timeout=30&max_retries=5&backoff=2&batch_size=8&name=geneval` (seconds per request, default 120; further attempts, 3; seconds before the first retry, doubled each time, 1; images per request, 16; logged name, remote)."})
     accelerate_config: str | None = field(default=None, metadata={"help": "Run under `accelerate launch` with this config: a name shipped in trl_flow/accelerate_configs (single_gpu, multi_gpu, multi_node, fsdp2, zero2, zero3) or a file. Other `accelerate launch` options are passed on."})
-    trainer: str | None = field(default=None, metadata={"help": "The subcommand a recipe is written for (grpo, op-grpo, stepwise, dppo); running a recipe with another subcommand is an error."})
+    trainer: str | None = field(default=None, metadata={"help": "The subcommand a recipe is written for (grpo, op-grpo, stepwise, dppo, nft); running a recipe with another subcommand is an error."})
     num_threads: int | None = field(default=None, metadata={"help": "torch CPU threads per process (torch.set_num_threads). Default: OMP_NUM_THREADS if set, else 1; 0 = torch's own default (one per core), which is faster only on an idle machine with large CPU ops: with other processes busy, spinning threads made a 2-iteration shapes run 3-7x slower."})
 
     def __post_init__(self):

@@ -3,6 +3,9 @@
 For each sample the rollout stores every state ``x_0 .. x_K``, the per-step behaviour log-probs and kernel means
 (frozen as ``logp_old`` / ``mu_old``), and which steps are trainable. ``N`` is the number of samples on this
 process, ``K`` the number of sampling steps, ``L`` the latent shape (e.g. C, h, w; video: C, F', h, w).
+A trainer that needs only the samples (DiffusionNFT trains on the final latents) asks for ``store="final"``:
+``states`` is then (N, 1, *L), the final state alone, and no kernel means are kept (``N prod(L) 4`` bytes instead
+of ``N (2K + 1) prod(L) 4``).
 
 Memory: states and means take ``N (K + 1) prod(L) 4 + N K prod(L) 4`` bytes (float32), plus ``5 N K`` for the
 log-probs and train mask and ``N prod(O) 4`` for the decoded samples of shape O; the exact count is
@@ -20,6 +23,9 @@ import torch
 from .kernels import kernel_mean_std, sde_step
 from .models import FlowAdapter, PromptEmbeds, Schedule, cat_embeds, index_embeds
 
+#: What a rollout keeps (:func:`sample_trajectories`' ``store``).
+ROLLOUT_STORES = ("trajectory", "final")
+
 
 @dataclass
 class Rollout:
@@ -30,9 +36,10 @@ class Rollout:
         group_ids: (N,) long, the global group (prompt slot) of each sample.
         embeds: prompt conditioning, each tensor (N, ...).
         schedule: sigmas (K + 1,) and timesteps (K,).
-        states: (N, K + 1, *L) float32, ``x_0`` (noise) .. ``x_K`` (the sample).
+        states: (N, K + 1, *L) float32, ``x_0`` (noise) .. ``x_K`` (the sample); (N, 1, *L), ``x_K`` alone, when
+            sampled with ``store="final"`` (``states[:, -1]`` is the sample either way).
         log_probs: (N, K) float32 behaviour log-probs (0 where the step is deterministic).
-        means: (N, K, *L) float32 behaviour kernel means.
+        means: (N, K, *L) float32 behaviour kernel means, or None (``store="final"``).
         stds: (K,) float32 kernel std per step (0 = deterministic step).
         train_mask: (N, K) bool, the steps that are trained.
         images: (N, 3, H, W) (video: (N, F, 3, H, W)) float32 in [0, 1], the decoded samples.
@@ -50,7 +57,7 @@ class Rollout:
     schedule: Schedule
     states: torch.Tensor
     log_probs: torch.Tensor
-    means: torch.Tensor
+    means: torch.Tensor | None
     stds: torch.Tensor
     train_mask: torch.Tensor
     images: torch.Tensor | None = None
@@ -97,6 +104,7 @@ def sample_trajectories(
     autocast=None,
     keep_velocities: bool = False,
     on_chunk=None,
+    store: str = "trajectory",
 ) -> dict[str, torch.Tensor]:
     """Run the sampler over a batch in chunks of ``batch_size``.
 
@@ -110,19 +118,28 @@ def sample_trajectories(
             ``start_step`` left as zeros for the caller to fill in.
         keep_velocities: also return the guided velocity of every step.
         on_chunk: optional ``on_chunk(rows: slice, final_states (b, *L))``, called as each chunk finishes.
+        store: ``"trajectory"`` (every state and kernel mean) or ``"final"`` (the final state alone: ``states`` is
+            (N, 1, *L) and ``means`` None; log-probs and stds are kept, N K + K floats). ``"final"`` cannot resume
+            from ``start_states`` nor keep velocities.
 
     Returns:
         ``states`` (N, K + 1, *L), ``log_probs`` (N, K), ``means`` (N, K, *L), ``stds`` (K,), and with
         ``keep_velocities`` ``velocities`` (N, K, *L).
     """
+    if store not in ROLLOUT_STORES:
+        raise ValueError(f"store={store!r}: must be one of {ROLLOUT_STORES}")
+    final_only = store == "final"
+    if final_only and (start_step or keep_velocities):
+        raise ValueError("store='final' keeps no intermediate state: it cannot resume from start_states at a later "
+                         "step nor keep velocities")
     autocast = autocast or contextlib.nullcontext
     x_all = noise if start_states is None else start_states
     if x_all is None:
         raise ValueError("sample_trajectories: pass noise or start_states")
     n, K = x_all.shape[0], schedule.num_steps
     sig = schedule.sigmas
-    states = torch.zeros((n, K + 1, *x_all.shape[1:]), dtype=torch.float32, device=x_all.device)
-    means = torch.zeros((n, K, *x_all.shape[1:]), dtype=torch.float32, device=x_all.device)
+    states = torch.zeros((n, 1 if final_only else K + 1, *x_all.shape[1:]), dtype=torch.float32, device=x_all.device)
+    means = None if final_only else torch.zeros((n, K, *x_all.shape[1:]), dtype=torch.float32, device=x_all.device)
     log_probs = torch.zeros((n, K), dtype=torch.float32, device=x_all.device)
     velocities = torch.zeros_like(means) if keep_velocities else None
     # The std of a step depends only on the schedule and the kernel, not on the state.
@@ -135,7 +152,8 @@ def sample_trajectories(
         idx = slice(lo, min(lo + batch_size, n))
         x = x_all[idx].float()
         emb = index_embeds(embeds, idx)
-        states[idx, start_step] = x
+        if not final_only:
+            states[idx, start_step] = x
         for k in range(start_step, K):
             with autocast():
                 v = adapter.velocity(model, x, schedule.timesteps[k], emb, guidance_scale)
@@ -144,13 +162,16 @@ def sample_trajectories(
                 generator=generator[idx] if isinstance(generator, list) else generator,
                 logprob_reduction=logprob_reduction,
             )
-            states[idx, k + 1] = x
-            means[idx, k] = mean
+            if not final_only:
+                states[idx, k + 1] = x
+                means[idx, k] = mean
             log_probs[idx, k] = lp
             if keep_velocities:
                 velocities[idx, k] = v
+        if final_only:
+            states[idx, 0] = x
         if on_chunk is not None:
-            on_chunk(idx, states[idx, K])
+            on_chunk(idx, states[idx, -1])
     out = {"states": states, "log_probs": log_probs, "means": means, "stds": stds}
     if keep_velocities:
         out["velocities"] = velocities

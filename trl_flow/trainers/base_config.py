@@ -24,8 +24,14 @@ LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine
                  "inverse_sqrt")
 
 
+#: ``experts``: which transformers of a multi-expert pipeline are trained (Wan2.2-A14B).
+EXPERTS = ("all", "high_noise", "low_noise")
+
 @dataclass
 class FlowRLConfig:
+    #: The method trains on the rollout kernel's log-probs (every SDE policy-gradient trainer), so `ode` is refused.
+    trains_on_log_probs = True
+
     # ---- run ---------------------------------------------------------------------------------------------------
     output_dir: str = field(default="trl_flow_output", metadata={"help": "Where checkpoints, samples and the final LoRA are written."})
     run_name: str | None = field(default=None, metadata={"help": "Name of the run for the trackers (default: the trainer's method name)."})
@@ -57,6 +63,7 @@ class FlowRLConfig:
     lora_r: int = field(default=32, metadata={"help": "LoRA rank (published: 32)."})
     lora_alpha: int = field(default=64, metadata={"help": "LoRA alpha (published: 64), > 0 (the LoRA update is scaled by alpha / r). Saved in the adapter metadata, so alpha != r round-trips."})
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout. Must be 0: with dropout the update's first ratio pi_theta / pi_old is not 1 (the rollout ran without it)."})
+    experts: str = field(default="all", metadata={"help": "Which transformers of a pipeline with several are trained: `all`, or for Wan2.2-A14B's two experts `high_noise` (pipe.transformer) or `low_noise` (pipe.transformer_2). A frozen expert's steps are sampled deterministically (ODE) and not trained; its weights never change. Pipelines with one transformer: `all`. Default `all`, as Flow-Factory's Wan2.2 adapter (LoRA on both experts)."})
     lora_target_modules: list[str] | None = field(default=None, metadata={"help": "Modules to adapt; default: the attention projections of the model family (SD3: attn.to_q attn.to_k attn.to_v attn.to_out.0 attn.add_q_proj attn.add_k_proj attn.add_v_proj attn.to_add_out; FLUX: those and ff.net.0.proj ff.net.2 ff_context.net.0.proj ff_context.net.2; Wan: to_q to_k to_v to_out.0)."})
     ema_decay: float = field(default=0.0, metadata={"help": "EMA of the trained weights (diffusers EMAModel) used for evaluation and `save_model`; 0 disables (published: 0.9)."})
     # ---- sampling ----------------------------------------------------------------------------------------------
@@ -64,6 +71,7 @@ class FlowRLConfig:
     noise_level: float = field(default=0.7, metadata={"help": "Kernel noise: `a` for flow_sde/cps, `eta` for ddim (published flow_sde: 0.7)."})
     num_inference_steps: int = field(default=10, metadata={"help": "Sampling steps of the rollout (published: 10)."})
     guidance_scale: float = field(default=4.5, metadata={"help": "Classifier-free guidance scale of the rollout and the update, >= 0; <= 1 means one unguided pass (published: 4.5)."})
+    guidance_scale_2: float | None = field(default=None, metadata={"help": "Wan2.2-A14B: CFG scale of the low-noise expert (transformer_2), WanPipeline's guidance_scale_2 (guidance_scale then guides the high-noise expert; published: 4.0 high / 3.0 low). None: guidance_scale. Pipelines without transformer_2: leave None."})
     height: int = field(default=512, metadata={"help": "Image height in pixels."})
     width: int = field(default=512, metadata={"help": "Image width in pixels."})
     num_frames: int = field(default=33, metadata={"help": "Frames per video for video pipelines (Wan: 4k + 1; published Wan2.1 recipe: 33 at 240x416). Image pipelines ignore it."})
@@ -125,7 +133,8 @@ class FlowRLConfig:
              "are derived from it)")
         need(self.num_inference_steps >= 2, "num_inference_steps", "must be >= 2 (the last step is never trained)")
         need(self.sampler in SAMPLERS, "sampler", f"must be one of {SAMPLERS}")
-        need(self.sampler != "ode", "sampler", "`ode` has no log-prob and cannot be trained; use flow_sde, cps or ddim")
+        if self.trains_on_log_probs:
+            need(self.sampler != "ode", "sampler", "`ode` has no log-prob and cannot be trained; use flow_sde, cps or ddim")
         need(self.logprob_reduction in REDUCTIONS, "logprob_reduction", f"must be one of {REDUCTIONS}")
         need(self.scale_rewards in SCALE_REWARDS, "scale_rewards", f"must be one of {SCALE_REWARDS}")
         need(self.kl_form in KL_FORMS, "kl_form", f"must be one of {KL_FORMS}")
@@ -164,6 +173,10 @@ class FlowRLConfig:
             v = getattr(self, name)
             need(v is None and name == "eval_guidance_scale" or v is not None and math.isfinite(v) and v >= 0, name,
                  "must be a finite number >= 0 (<= 1: one unguided pass)")
+        need(self.experts in EXPERTS, "experts", f"must be one of {EXPERTS}")
+        need(self.guidance_scale_2 is None or isinstance(self.guidance_scale_2, (int, float))
+             and not isinstance(self.guidance_scale_2, bool) and math.isfinite(self.guidance_scale_2)
+             and self.guidance_scale_2 >= 0, "guidance_scale_2", "must be a finite number >= 0, or None (= guidance_scale)")
         need(self.lr_scheduler_type in LR_SCHEDULERS, "lr_scheduler_type", f"must be one of {LR_SCHEDULERS}")
         need(self.offload in OFFLOAD_MODES, "offload", f"must be one of {OFFLOAD_MODES}")
         need(self.per_device_reward_batch_size is None or isinstance(self.per_device_reward_batch_size, int)

@@ -10,7 +10,6 @@ loop (with the final save and push) is in ``train_loop.py``, checkpoints in ``ch
 from __future__ import annotations
 
 import contextlib
-import copy
 import hashlib
 import math
 import os
@@ -26,8 +25,7 @@ from ..models import cat_embeds, get_adapter, index_embeds
 from ..rewards import RewardError, compute_rewards, validate_reward_funcs
 from ..rewards.scheduling import OverlappedScoring, collect_scores
 from ..rollout import Rollout, sample_trajectories, step_samplers
-from .. import memory
-from . import checkpoints, distributed, guards, tracking, train_loop
+from . import checkpoints, distributed, guards, model_setup, tracking, train_loop
 from . import output_dir as run_dir
 from .base_config import FlowRLConfig
 from .checkpoints import LORA_WEIGHT_NAME, TrainerState  # noqa: F401  (re-exported)
@@ -51,6 +49,9 @@ class FlowRLTrainer:
     _method_name = "flow_rl"
     #: Keep the rollout's velocities (``Rollout.velocities``); a method that needs them sets this.
     keep_velocities = False
+    #: What the rollout keeps (:data:`trl_flow.rollout.ROLLOUT_STORES`): every state and kernel mean
+    #: (``"trajectory"``), or the final samples alone (``"final"``, DiffusionNFT).
+    rollout_store = "trajectory"
 
     # ------------------------------------------------------------------------------------------------ set-up
     def __init__(self, config, pipe, reward_funcs, train_dataset=None, eval_dataset=None):
@@ -70,7 +71,7 @@ class FlowRLTrainer:
         self.adapter = get_adapter(pipe)  # a pipeline, or an adapter built with options (e.g. FluxAdapter(pipe, ...))
         self.adapter.configure(config)
         self.pipe = self.adapter.pipe
-        guards.check_no_adapter(self.pipe.transformer)
+        model_setup.check_no_adapters(self)
         factor = self.adapter.resolution_multiple
         if config.height % factor or config.width % factor:
             raise ValueError(
@@ -92,7 +93,7 @@ class FlowRLTrainer:
         try:
             self._setup_model()
         except BaseException:
-            guards.remove_adapter(self.pipe.transformer)  # the pipeline stays usable for another trainer
+            model_setup.remove_adapters(self)  # the pipeline stays usable for another trainer
             raise
         self._nonfinite_skipped = 0
         self._long_prompts = guards.LongPromptWarning(self.pipe, config.max_sequence_length)
@@ -115,68 +116,8 @@ class FlowRLTrainer:
         compute_rewards(self.reward_funcs, self.reward_names, self.reward_weights, images, prompts, rows)
 
     def _setup_model(self):
-        cfg, acc = self.config, self.accelerator
-        pipe = self.pipe
-        self.weight_dtype = torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else torch.float32
-        memory.check_quantized(pipe, cfg, acc.device)
-        self.offloader = memory.Offloader(pipe, cfg.offload, acc.device)
-        self.offloader.place()  # = pipe.to(device), except the offloaded modules, which wait on the CPU
-        for name, module in pipe.components.items():
-            if isinstance(module, torch.nn.Module):
-                module.requires_grad_(False)
-                module.eval()
-                if ((name != "transformer" or cfg.finetune == "lora") and self.weight_dtype != torch.float32
-                        and not memory.is_quantized(module)):  # a quantised module keeps its storage dtype
-                    module.to(dtype=self.weight_dtype)
-        transformer = pipe.transformer
-        self.ref_model = None
-        if cfg.finetune == "lora":
-            from peft import LoraConfig
-
-            targets = cfg.lora_target_modules or list(self.adapter.default_lora_target_modules)
-            with torch.random.fork_rng(devices=[]):  # the LoRA init is a function of config.seed alone
-                torch.manual_seed(cfg.seed)
-                transformer.add_adapter(
-                    LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                               init_lora_weights=True, target_modules=targets)
-                )
-            from diffusers.training_utils import cast_training_params
-
-            cast_training_params(transformer, dtype=torch.float32)  # trainable LoRA weights stay float32
-        else:
-            if cfg.beta > 0:
-                self.ref_model = copy.deepcopy(transformer).requires_grad_(False).to(self.weight_dtype)
-            transformer.requires_grad_(True)
-        if cfg.gradient_checkpointing:
-            transformer.enable_gradient_checkpointing()
-        self.trainable_params = [p for p in transformer.parameters() if p.requires_grad]
-        if not self.trainable_params:
-            raise ValueError("lora_target_modules: no parameter of the transformer is trainable; check the names")
-        if cfg.optim == "adamw_8bit":
-            import bitsandbytes as bnb
-
-            opt_cls = bnb.optim.AdamW8bit
-        else:
-            opt_cls = torch.optim.AdamW
-        optimizer = opt_cls(self.trainable_params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                            eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
-        from transformers import get_scheduler
-
-        n_local = cfg.train_batch_size // acc.num_processes
-        n_micro = math.ceil(n_local / cfg.per_device_train_batch_size)
-        self.optimizer_steps_per_iteration = cfg.num_inner_epochs * math.ceil(n_micro / cfg.gradient_accumulation_steps)
-        self.lr_scheduler = get_scheduler(
-            cfg.lr_scheduler_type, optimizer, num_warmup_steps=cfg.warmup_steps,
-            num_training_steps=cfg.max_steps * self.optimizer_steps_per_iteration,
-        )
-        # The LR scheduler is not prepared (accelerate would step it once per process); checkpoints.py saves it.
-        self.model, self.optimizer = distributed.prepare(self, transformer, optimizer)  # also the LoRA file hooks
-        self.ema = None
-        if cfg.ema_decay > 0:
-            from diffusers.training_utils import EMAModel
-
-            self.ema = EMAModel(self.trainable_params, decay=cfg.ema_decay)
-            self.ema.to(acc.device)
+        """Dtypes, LoRA (or full weights), reference, optimizer, LR schedule, EMA: :mod:`.model_setup`."""
+        model_setup.setup_model(self)
 
     # -------------------------------------------------------------------------------------------- randomness
     def _generator(self, step: int, purpose: str, per_process: bool = False, device="cpu") -> torch.Generator:
@@ -201,6 +142,9 @@ class FlowRLTrainer:
             start = int(torch.randint(0, rng, (1,), generator=self._generator(step, "window")))
             sde = torch.zeros(K, dtype=torch.bool)
             sde[start : start + cfg.sde_window_size] = True
+        frozen = self.adapter.trainable_steps(self.adapter.schedule(K, cfg.height, cfg.width))
+        if frozen is not None:  # steps of a frozen model (Wan2.2's untrained expert): deterministic, never trained
+            sde = frozen if sde is None else sde & frozen
         return step_samplers(cfg.sampler, K, sde)
 
     def _autocast(self):
@@ -253,7 +197,7 @@ class FlowRLTrainer:
             generator=self.sample_generators(step, generator_purpose, sample_ids, len(prompts)),
             logprob_reduction=cfg.logprob_reduction,
             start_states=None if start_states is None else start_states.to(self.device), start_step=start_step,
-            autocast=self._autocast, keep_velocities=self.keep_velocities,
+            autocast=self._autocast, keep_velocities=self.keep_velocities, store=self.rollout_store,
             on_chunk=None if scoring is None else scoring.submit,
         )
         stochastic = torch.tensor([k != "ode" for k in kinds], device=self.device) & (traj["stds"] > 0)
