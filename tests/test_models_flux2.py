@@ -1,0 +1,312 @@
+"""FLUX.2-dev (Flux2Pipeline) and FLUX.2 [klein] (Flux2KleinPipeline) adapters against their own pipelines, and
+every trainer on both.
+
+Tiny random pipelines (trl_flow.testing.flux2), 32 x 32 px, latents (16, 8, 8), prompts of up to 40 tokens (the
+chat templates take about 25 of them).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import HEIGHT, PROMPTS, WIDTH
+from test_models_families import exported_trainers
+
+from trl_flow.models import get_adapter, load_pipeline
+from trl_flow.models.flux2 import Flux2Adapter, Flux2KleinAdapter
+from trl_flow.testing import tiny_flux2_klein_pipeline, tiny_flux2_pipeline
+
+MAX_SEQ = 40
+FAMILIES = ("flux2", "klein")
+GUIDANCE = {"flux2": 4.0, "klein": 4.0}  # FLUX.2-dev: distilled (embedding); Klein base: true CFG
+
+
+def make_pipe(family, **kwargs):
+    return tiny_flux2_pipeline(**kwargs) if family == "flux2" else tiny_flux2_klein_pipeline(**kwargs)
+
+
+def pipeline_latents(adapter, states):
+    """What ``pipe(output_type="latent")`` returns for final states (B, C, h, w): FLUX.2-dev the packed tokens,
+    Klein the VAE's latents (batch norm undone, patches unfolded)."""
+    return adapter.pack(states) if isinstance(adapter, Flux2Adapter) else adapter.unpatchify(states)
+
+
+def brightness(images, prompts, **columns):
+    return images.mean(dim=(1, 2, 3))
+
+
+def flux2_config(config_class, tmp_path, family, **overrides):
+    kwargs = dict(
+        output_dir=str(tmp_path / "out"), max_steps=2, num_generations=2, prompts_per_step=4,
+        per_device_train_batch_size=4, height=HEIGHT, width=WIDTH, max_sequence_length=MAX_SEQ,
+        num_inference_steps=3, eval_num_inference_steps=3, per_device_eval_batch_size=4,
+        guidance_scale=GUIDANCE[family], lora_r=4, lora_alpha=8, learning_rate=1e-2, clip_range=5e-2, beta=0.01,
+        disable_tqdm=True,
+    )
+    kwargs.update(overrides)
+    return config_class(**kwargs)
+
+
+# ------------------------------------------------------------------------------------------- pipeline parity
+PARITY = [
+    # (family, guidance_scale, builder kwargs)
+    ("flux2", 4.0, {}),  # distilled guidance: one pass per step, the value goes to the guidance embedding
+    ("klein", 4.0, {}),  # base model: true CFG against the empty prompt, two passes per step
+    ("klein", 1.0, {}),  # base model without guidance: one pass
+    ("klein", 4.0, {"is_distilled": True}),  # step-distilled: guidance ignored, one pass
+]
+
+
+@pytest.mark.parametrize("family,guidance_scale,build", PARITY, ids=["flux2", "klein-cfg", "klein", "klein-distilled"])
+def test_ode_rollout_reproduces_pipeline_exactly(family, guidance_scale, build):
+    """The `ode` kernel over the adapter's schedule, from the adapter's noise, ends exactly where pipe() ends, with
+    the same number of transformer passes; the adapter's decode is exactly the pipeline's decoded output."""
+    from trl_flow.rollout import sample_trajectories
+
+    pipe = make_pipe(family, **build)
+    adapter = get_adapter(pipe)
+    prompts, K = PROMPTS[:3], 4
+    passes = []
+    hook = pipe.transformer.register_forward_hook(lambda *a: passes.append(1))
+    call = dict(height=HEIGHT, width=WIDTH, num_inference_steps=K, guidance_scale=guidance_scale,
+                max_sequence_length=MAX_SEQ)
+    expected = pipe(prompt=prompts, generator=torch.Generator().manual_seed(3), output_type="latent", **call).images
+    pipe_passes, passes[:] = len(passes), []
+    noise = adapter.initial_noise(len(prompts), HEIGHT, WIDTH, torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        embeds = adapter.encode_prompts(prompts, guidance_scale > 1, MAX_SEQ)
+    schedule = adapter.schedule(K, HEIGHT, WIDTH)
+    assert schedule.num_steps == K and float(schedule.sigmas[0]) == 1.0 and float(schedule.sigmas[-1]) == 0.0
+    traj = sample_trajectories(adapter, pipe.transformer, embeds, noise, schedule, ["ode"] * K, 0.0,
+                               guidance_scale, batch_size=len(prompts))
+    hook.remove()
+    assert len(passes) == pipe_passes == K * (2 if family == "klein" and guidance_scale > 1 and not build else 1)
+    final = traj["states"][:, -1]
+    assert torch.equal(traj["states"][:, 0], noise)
+    assert final.shape == (3, 16, HEIGHT // 4, WIDTH // 4)  # patchified, batch-normalised, as the pipeline's noise
+    assert torch.equal(pipeline_latents(adapter, final), expected)
+    decoded = pipe(prompt=prompts, generator=torch.Generator().manual_seed(3), output_type="pt", **call).images
+    with torch.no_grad():
+        ours = adapter.decode(final)
+    assert ours.shape == (3, 3, HEIGHT, WIDTH) and torch.equal(ours, decoded)
+
+
+def test_schedule_is_the_pipelines_empirical_shift():
+    """FLUX.2's mu depends on the image tokens and the number of steps: the adapter's sigmas are the scheduler's
+    after pipe() with the same size and steps, at several of each."""
+    pipe = make_pipe("flux2")
+    adapter = get_adapter(pipe)
+    for steps, size in ((3, 32), (8, 64), (28, 48)):
+        schedule = adapter.schedule(steps, size, size)
+        pipe(prompt="a cat", height=size, width=size, num_inference_steps=steps, max_sequence_length=MAX_SEQ,
+             output_type="latent")
+        assert torch.equal(schedule.sigmas, pipe.scheduler.sigmas.float())
+        assert torch.equal(schedule.timesteps, pipe.scheduler.timesteps)
+    assert not torch.equal(adapter.schedule(8, 32, 32).sigmas, adapter.schedule(8, 64, 64).sigmas)
+
+
+def test_flux2_dev_guidance_is_the_distilled_embedding():
+    """FLUX.2-dev: guidance_scale reaches the transformer as `guidance` (one pass), and changes the velocity; no
+    negative prompt is encoded."""
+    pipe = make_pipe("flux2")
+    adapter = get_adapter(pipe)
+    seen = []
+    hook = pipe.transformer.register_forward_hook(lambda m, a, kw, o: seen.append(kw["guidance"]), with_kwargs=True)
+    x = adapter.initial_noise(2, HEIGHT, WIDTH, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        embeds = adapter.encode_prompts(PROMPTS[:2], True, MAX_SEQ)
+        t = adapter.schedule(4, HEIGHT, WIDTH).timesteps[1]
+        v1 = adapter.velocity(pipe.transformer, x, t, embeds, 1.0)
+        v4 = adapter.velocity(pipe.transformer, x, t, embeds, 4.0)
+    hook.remove()
+    assert set(embeds) == {"prompt_embeds"}
+    assert len(seen) == 2 and seen[1].tolist() == [4.0, 4.0]
+    assert not torch.allclose(v1, v4)
+
+
+def test_klein_cfg_and_distilled_guidance():
+    """Klein base: CFG against the empty prompt (the negative embeddings are the empty prompt's; w changes the
+    velocity). Step-distilled Klein: no negative prompt, guidance ignored, one warning at configure."""
+    pipe = make_pipe("klein")
+    adapter = get_adapter(pipe)
+    with torch.no_grad():
+        embeds = adapter.encode_prompts(PROMPTS[:2], True, MAX_SEQ)
+        empty = adapter.encode_prompts(["", ""], False, MAX_SEQ)["prompt_embeds"]
+        x = adapter.initial_noise(2, HEIGHT, WIDTH, torch.Generator().manual_seed(0))
+        t = adapter.schedule(4, HEIGHT, WIDTH).timesteps[1]
+        v2, v4 = (adapter.velocity(pipe.transformer, x, t, embeds, w) for w in (2.0, 4.0))
+    assert torch.equal(embeds["negative_prompt_embeds"], empty) and not torch.allclose(v2, v4)
+
+    from trl_flow import FlowGRPOConfig
+
+    distilled = get_adapter(make_pipe("klein", is_distilled=True))
+    with torch.no_grad():
+        assert set(distilled.encode_prompts(PROMPTS[:2], True, MAX_SEQ)) == {"prompt_embeds"}
+    with pytest.warns(UserWarning, match="step-distilled"):
+        distilled.configure(FlowGRPOConfig(output_dir="unused", guidance_scale=4.0, max_sequence_length=MAX_SEQ))
+
+
+def test_klein_detach_uncond_keeps_value_and_drops_uncond_gradient():
+    pipe = make_pipe("klein")
+    adapter = get_adapter(pipe)
+    with torch.no_grad():
+        embeds = adapter.encode_prompts(PROMPTS[:2], True, MAX_SEQ)
+    t = adapter.schedule(4, HEIGHT, WIDTH).timesteps[1]
+    x0 = adapter.initial_noise(2, HEIGHT, WIDTH, torch.Generator().manual_seed(0))
+
+    def value_and_grad(detach):
+        x = x0.clone().requires_grad_(True)
+        v = adapter.velocity(pipe.transformer, x, t, embeds, 3.0, detach_uncond=detach)
+        (v * torch.linspace(-1, 1, v.numel()).view_as(v)).sum().backward()
+        return v.detach(), x.grad
+
+    v_full, g_full = value_and_grad(False)
+    v_cond, g_cond = value_and_grad(True)
+    assert torch.equal(v_full, v_cond) and not torch.allclose(g_full, g_cond)
+
+
+def test_default_lora_targets_are_diffusers_flux2_scripts():
+    """diffusers' train_dreambooth_lora_flux2(_klein).py defaults: to_k/q/v, to_out.0, to_qkv_mlp_proj and every
+    single block's attn.to_out (48 named for FLUX.2-dev, 24 for Klein); on a model they adapt exactly the
+    image-stream attention of the double blocks and both projections of the single blocks."""
+    from peft import LoraConfig
+
+    head = ("to_k", "to_q", "to_v", "to_out.0", "to_qkv_mlp_proj")
+    for adapter, n in ((Flux2Adapter, 48), (Flux2KleinAdapter, 24)):
+        targets = adapter.default_lora_target_modules
+        assert targets[:5] == head and targets[5:] == tuple(f"single_transformer_blocks.{i}.attn.to_out"
+                                                            for i in range(n))
+    transformer = make_pipe("flux2", num_single_layers=2).transformer
+    transformer.add_adapter(LoraConfig(r=2, target_modules=list(Flux2Adapter.default_lora_target_modules)))
+    adapted = sorted(n.rsplit(".lora_A", 1)[0] for n, _ in transformer.named_parameters() if ".lora_A." in n)
+    assert adapted == sorted(
+        [f"transformer_blocks.0.attn.{p}" for p in ("to_k", "to_q", "to_v", "to_out.0")]
+        + [f"single_transformer_blocks.{i}.attn.{p}" for i in range(2) for p in ("to_out", "to_qkv_mlp_proj")])
+
+
+# ---------------------------------------------------------------------------------------- every trainer
+@pytest.mark.parametrize("trainer_class", exported_trainers(), ids=lambda c: c.__name__)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_trainer_trains_on_flux2(tmp_path, family, trainer_class):
+    """Two iterations with guidance on (Klein: CFG); the first ratio of each is exactly 1 (trainers with a ratio);
+    losses are finite; the LoRA moves; rewards get (B, 3, H, W) images in [0, 1]."""
+    seen = []
+
+    def reward(images, prompts, **columns):
+        seen.append((tuple(images.shape), float(images.min()), float(images.max())))
+        return brightness(images, prompts)
+
+    config = flux2_config(trainer_class.config_class, tmp_path, family)
+    trainer = trainer_class(config, make_pipe(family), [reward], train_dataset=PROMPTS)
+    before = [p.detach().clone() for p in trainer.trainable_params]
+    state = trainer.train()
+    assert all(s[0][1:] == (3, HEIGHT, WIDTH) and 0.0 <= s[1] <= s[2] <= 1.0 for s in seen)
+    assert len(state.log_history) == 2
+    for entry in state.log_history:
+        assert entry.get("ratio_first_max_dev", 0.0) == 0.0  # DiffusionNFT has no ratio
+        assert entry.get("kl_old_first_max", 0.0) == 0.0
+        assert torch.isfinite(torch.tensor(entry["loss"])) and entry["nonfinite_skipped"] == 0
+    assert any(not torch.equal(b, p) for b, p in zip(before, trainer.trainable_params))
+
+
+# ----------------------------------------------------------------------------------- LoRA, resume, loading
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_round_trips_through_pipeline_loaders(tmp_path, family):
+    """save_model (the pipeline class's save_lora_weights) -> a fresh pipeline's load_lora_weights -> exactly the
+    trained pipeline's samples."""
+    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
+
+    config = flux2_config(FlowGRPOConfig, tmp_path, family, max_steps=1, beta=0.0)
+    trainer = FlowGRPOTrainer(config, make_pipe(family), [brightness], train_dataset=PROMPTS)
+    trainer.train()
+    out = trainer.save_model(str(tmp_path / "final"))
+    fresh = make_pipe(family)
+    call = dict(prompt=["a cat", "a red dog"], height=HEIGHT, width=WIDTH, num_inference_steps=3,
+                guidance_scale=GUIDANCE[family], max_sequence_length=MAX_SEQ, output_type="pt")
+
+    def run(pipe):
+        with torch.no_grad():
+            return pipe(generator=torch.Generator().manual_seed(0), **call).images
+
+    base = run(fresh)
+    fresh.load_lora_weights(out)
+    loaded, trained = run(fresh), run(trainer.pipe)
+    assert torch.equal(loaded, trained)
+    assert (loaded - base).abs().max() > 1e-4  # the LoRA is not a no-op
+    cfg = fresh.transformer.peft_config["default_0"]
+    assert cfg.r == 4 and cfg.lora_alpha == 8
+    assert "to_qkv_mlp_proj" in cfg.target_modules
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_resume_repeats_an_uninterrupted_run(tmp_path, family):
+    """4 iterations straight == 2 iterations, checkpoint, a fresh trainer resumed for 2 more: LoRA, EMA and logged
+    values bit for bit (KL to the reference and EMA on, two update passes)."""
+    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
+
+    def run(name, max_steps, resume=None, **kw):
+        config = flux2_config(FlowGRPOConfig, tmp_path, family, output_dir=str(tmp_path / name), max_steps=max_steps,
+                              ema_decay=0.9, num_inner_epochs=2, learning_rate=3e-3, **kw)
+        trainer = FlowGRPOTrainer(config, make_pipe(family), [brightness], train_dataset=PROMPTS + ["a house"])
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    def lora(trainer):
+        return {n: p.detach().clone() for n, p in trainer.pipe.transformer.named_parameters() if "lora_" in n}
+
+    straight = run("a", 4)
+    run("b", 2, save_steps=2)
+    torch.manual_seed(1234)  # everything must come from the checkpoint
+    resumed = run("b", 4, resume=str(tmp_path / "b" / "checkpoint-2"), save_steps=2)
+    assert resumed.state.global_step == 4
+    wa, wb = lora(straight), lora(resumed)
+    assert wa.keys() == wb.keys() and wa and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert all(torch.equal(a, b) for a, b in zip(straight.ema.shadow_params, resumed.ema.shadow_params))
+    keys = ("loss", "reward", "kl", "ratio_max")
+    assert [[e[k] for k in keys] for e in resumed.state.log_history[2:]] == [
+        [e[k] for k in keys] for e in straight.state.log_history[2:]]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_load_pipeline_round_trip(tmp_path, family):
+    """A tiny pipeline saved with save_pretrained loads through load_pipeline (the real loading path), gets its
+    adapter and samples exactly as the original."""
+    pipe = make_pipe(family, is_distilled=True) if family == "klein" else make_pipe(family)
+    pipe.save_pretrained(tmp_path / "pipe")
+    loaded = load_pipeline(str(tmp_path / "pipe"))
+    assert type(loaded) is type(pipe)
+    assert type(get_adapter(loaded)) is (Flux2Adapter if family == "flux2" else Flux2KleinAdapter)
+    if family == "klein":
+        assert loaded.config.is_distilled is True
+    call = dict(prompt=["a cat"], height=HEIGHT, width=WIDTH, num_inference_steps=2, max_sequence_length=MAX_SEQ,
+                output_type="latent")
+    assert torch.equal(pipe(generator=torch.Generator().manual_seed(0), **call).images,
+                       loaded(generator=torch.Generator().manual_seed(0), **call).images)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("overrides,match", [
+    ({"height": 30}, "height=30, width=32: must be multiples of 4"),
+    ({"width": 34}, "height=32, width=34: must be multiples of 4"),
+])
+def test_bad_size_fails_before_compute(tmp_path, family, overrides, match):
+    """A size the 2x2 patches cannot tile is refused by the trainer before any reward, encoder or transformer
+    call (the pipeline itself would silently round it down)."""
+    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
+
+    calls = []
+    pipe = make_pipe(family)
+    hook = pipe.transformer.register_forward_hook(lambda *a: calls.append("transformer"))
+    hook_text = pipe.text_encoder.register_forward_hook(lambda *a: calls.append("text_encoder"))
+    config = flux2_config(FlowGRPOConfig, tmp_path, family, **overrides)
+    with pytest.raises(ValueError, match=match):
+        FlowGRPOTrainer(config, pipe, [lambda im, p, **c: calls.append("reward") or [0.0] * len(p)],
+                        train_dataset=PROMPTS)
+    hook.remove()
+    hook_text.remove()
+    assert calls == []
+
+
+def test_bad_text_encoder_layers_are_refused():
+    with pytest.raises(ValueError, match="text_encoder_out_layers=\\(9, 18, 40\\): the text encoder has 27 layers"):
+        Flux2KleinAdapter(make_pipe("klein"), text_encoder_out_layers=(9, 18, 40))
