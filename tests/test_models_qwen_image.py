@@ -229,3 +229,18 @@ def test_bad_adapter_options():
     pipe.transformer.register_to_config(guidance_embeds=True)
     with pytest.raises(ValueError, match="guidance_embeds=True"):
         QwenImageAdapter(pipe)
+
+
+def test_recipe_targets_exist_in_the_qwen_image_transformer():
+    """The GPU recipe names the real Hub id, true CFG 4, and LoRA targets each of which matches modules of
+    QwenImageTransformer2DModel (a misspelt target would be silently left out by PEFT when others match)."""
+    import yaml
+
+    from trl_flow import cli
+
+    with open(cli.shipped("recipes")["qwen_image_flow_grpo"]) as f:
+        recipe = yaml.safe_load(f)
+    assert recipe["model_name_or_path"] == "Qwen/Qwen-Image" and recipe["guidance_scale"] == 4.0
+    names = [n for n, _ in tiny_qwen_image_pipeline().transformer.named_modules()]
+    for target in recipe["lora_target_modules"] + list(QwenImageAdapter.default_lora_target_modules):
+        assert sum(n.endswith("." + target) for n in names) == 2, target  # once per block (2 blocks)
