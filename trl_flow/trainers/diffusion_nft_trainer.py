@@ -58,7 +58,7 @@ def nft_loss(v: torch.Tensor, v_old: torch.Tensor, x0: torch.Tensor, xt: torch.T
     weight, float64 in the reference, floored at 1e-5), averaged over the latent dims:
     ``(r L+ + (1 - r) L-) / b * adv_clip_max``.
     """
-    t = t.float().view(-1, *([1] * (x0.ndim - 1)))
+    t = t.to(x0.dtype).view(-1, *([1] * (x0.ndim - 1)))
     dims = tuple(range(1, x0.ndim))
     v_old = v_old.detach()
     positive = nft_beta * v + (1.0 - nft_beta) * v_old
