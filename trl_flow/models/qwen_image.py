@@ -21,9 +21,9 @@ class QwenImageAdapter(FlowAdapter):
       1 each velocity is two transformer passes, conditional and with ``negative_prompt`` (default ``" "``, the
       Qwen-Image model card's), combined as ``v_neg + s (v - v_neg)`` and then rescaled per token to the norm of the
       conditional prediction, as the pipeline does. Qwen-Image is not guidance-distilled (no guidance embedding).
-    * Prompt embeddings are stored padded to ``max_sequence_length`` with their mask (``prompt_embeds_mask``); each
-      transformer call gets them cut to the longest prompt of its batch and no mask when nothing is padded, exactly
-      the tensors ``pipe()`` passes for the same batch.
+    * Prompt embeddings are stored padded to ``max_sequence_length`` with their mask (``prompt_embeds_mask``; the
+      negative prompt's at its own length); each transformer call gets them cut to the longest prompt of its batch
+      and no mask when nothing is padded, exactly the tensors ``pipe()`` passes for the same batch.
     * Latents are stored unpacked, (C, H / s, W / s) with ``s = pipe.vae_scale_factor`` (the VAE's frame dim dropped);
       every transformer call packs them into 2x2 patches with the pipeline's ``_pack_latents`` and unpacks the
       velocity. The transformer takes ``timestep / 1000``, as the pipeline passes it.
@@ -84,22 +84,25 @@ class QwenImageAdapter(FlowAdapter):
     # ------------------------------------------------------------------------------------------- prompts
     def encode_prompts(self, prompts, guidance, max_sequence_length=512) -> PromptEmbeds:
         """``prompt_embeds`` (B, max_sequence_length, D) zero-padded and ``prompt_embeds_mask`` (B,
-        max_sequence_length) long, as ``pipe.encode_prompt`` makes them; with ``guidance`` (the trainer's
-        ``guidance_scale > 1``) the same for the negative prompt."""
+        max_sequence_length) long, as ``pipe.encode_prompt`` makes them (padded so that batches concatenate); with
+        ``guidance`` (the trainer's ``guidance_scale > 1``) the same for the negative prompt, whose embeddings keep
+        their own length (one prompt: every batch has the same)."""
         prompts = list(prompts)
-        out = dict(zip(("prompt_embeds", "prompt_embeds_mask"), self._encode(prompts, max_sequence_length)))
+        out = dict(zip(("prompt_embeds", "prompt_embeds_mask"), self._encode(prompts, max_sequence_length, True)))
         if guidance:
-            neg = self._encode([self.negative_prompt] * len(prompts), max_sequence_length)
+            neg = self._encode([self.negative_prompt] * len(prompts), max_sequence_length, False)
             out.update(zip(("negative_prompt_embeds", "negative_prompt_embeds_mask"), neg))
         return out
 
-    def _encode(self, prompts, max_sequence_length):
+    def _encode(self, prompts, max_sequence_length, pad: bool):
         pe, mask = self.pipe.encode_prompt(prompt=prompts, device=self.device, max_sequence_length=max_sequence_length)
         b, n, _ = pe.shape
         if mask is None:  # the pipeline drops an all-ones mask
             mask = torch.ones(b, n, dtype=torch.long, device=pe.device)
-        pad = max_sequence_length - n
-        return torch.nn.functional.pad(pe, (0, 0, 0, pad)), torch.nn.functional.pad(mask, (0, pad))
+        if not pad:
+            return pe, mask
+        n_pad = max_sequence_length - n
+        return torch.nn.functional.pad(pe, (0, 0, 0, n_pad)), torch.nn.functional.pad(mask, (0, n_pad))
 
     @staticmethod
     def _text(embeds, name):
