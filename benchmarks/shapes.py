@@ -213,6 +213,12 @@ METHODS = {
     "stepwise_ddim_clip5e-3": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer",
                                {"sampler": "ddim", "clip_range": 5e-3}),
     "op_grpo_unclipped_term": ("OPGRPOConfig", "OPGRPOTrainer", {"importance_weight_placement": "unclipped_term"}),
+    # DiffusionNFT (issue 41): its own defaults (deterministic `ode` rollout from the old policy, nft_beta 1, decay_type
+    # 1, 9 of 10 timesteps), CFG-free in rollout, update and evaluation; each sample its own noise (with a
+    # deterministic sampler shared noise would make a group one image). BASE's beta 0 replaces the reference's 1e-4
+    # KL weight, as for every method. `_cfg`: the same at BASE's guidance 3.0 (rollout, update and evaluation).
+    "diffusion_nft": ("DiffusionNFTConfig", "DiffusionNFTTrainer", {"guidance_scale": 1.0, "same_noise_per_group": False}),
+    "diffusion_nft_cfg": ("DiffusionNFTConfig", "DiffusionNFTTrainer", {"same_noise_per_group": False}),
 }
 DEFAULT_METHODS = ["flow_grpo", "op_grpo"]
 

@@ -341,7 +341,8 @@ def test_config_defaults_and_input_checks(tmp_path):
                        ({"timestep_fraction": 1.5}, "timestep_fraction=1.5"),
                        ({"timestep_fraction": 0.1, "num_inference_steps": 4}, "trains no timestep"),
                        ({"timestep_sampling": "random"}, "timestep_sampling='random'"),
-                       ({"adv_mode": "sign"}, "adv_mode='sign'"), ({"trust_region": "kl_mask"}, "no ratio")]:
+                       ({"adv_mode": "sign"}, "adv_mode='sign'"), ({"trust_region": "kl_mask"}, "no ratio"),
+                       ({"same_noise_per_group": True}, "the same image")]:
         with pytest.raises(ValueError, match=match):
             DiffusionNFTConfig(output_dir=str(tmp_path), **bad)
 

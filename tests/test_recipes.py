@@ -57,7 +57,7 @@ def test_sd35m_recipes_carry_the_published_settings():
     """METHODS.md: 512 px, 10 rollout / 40 eval steps, cfg 4.5, G 24, lr 3e-4, LoRA 32/64, EMA 0.9, grad clip 1;
     Flow-GRPO clip 1e-4, beta 0.04 (GenEval, OCR) / 0.01 (PickScore); OP-GRPO 25% off-policy; Stepwise ddim;
     Flow-DPPO as its released code: beta 0, one pass, no clip, the Flow-GRPO recipes' batch layout (equal steps)."""
-    for name in (n for n in RECIPES if n.startswith("sd35m_")):
+    for name in (n for n in RECIPES if n.startswith("sd35m_") and "diffusion_nft" not in n):
         r = _raw(name)
         assert r["model_name_or_path"] == "stabilityai/stable-diffusion-3.5-medium" and r["bf16"] is True
         assert (r["height"], r["width"], r["num_inference_steps"], r["eval_num_inference_steps"]) == (512, 512, 10, 40)
@@ -77,6 +77,27 @@ def test_sd35m_recipes_carry_the_published_settings():
             assert r["sampler"] == "ddim"
         if method == "op_grpo":
             assert r["off_policy_fraction"] == 0.25 and r["off_policy_correction"] == "sequence"
+        assert r["reward_funcs"] == {"geneval": ["http://127.0.0.1:18085"], "ocr": ["ocr"],
+                                     "pickscore": ["pickscore"]}[task]
+
+
+def test_sd35m_diffusion_nft_recipes_carry_the_reference_settings():
+    """NVlabs/DiffusionNFT@24af555 config/nft.py: 512 px, 10 CFG-free deterministic rollout steps, 40 eval steps, G 24,
+    48 groups, microbatches of 9, lr 3e-4, LoRA 32/64, EMA 0.9, grad clip 1, train.beta 1e-4, fraction 0.99;
+    nft_beta 1 / decay_type 1 / one optimizer step per iteration, except OCR: 0.1 / 2 / two steps."""
+    for task in ("geneval", "ocr", "pickscore"):
+        r = _raw(f"sd35m_diffusion_nft_{task}")
+        assert r["trainer"] == "nft" and r["model_name_or_path"] == "stabilityai/stable-diffusion-3.5-medium"
+        assert (r["height"], r["width"], r["num_inference_steps"], r["eval_num_inference_steps"]) == (512, 512, 10, 40)
+        assert (r["sampler"], r["guidance_scale"], r["num_generations"], r["prompts_per_step"]) == ("ode", 1.0, 24, 48)
+        assert (float(r["learning_rate"]), r["lora_r"], r["lora_alpha"], r["ema_decay"], r["max_grad_norm"]) == (
+            3e-4, 32, 64, 0.9, 1.0)
+        assert (float(r["beta"]), r["timestep_fraction"], r["adv_clip_max"], r["scale_rewards"]) == (
+            1e-4, 0.99, 5.0, "batch")
+        ocr = task == "ocr"
+        assert (r["nft_beta"], r["decay_type"]) == ((0.1, 2) if ocr else (1.0, 1))
+        # 1152 samples on 8 processes: 16 microbatches of 9 each, in 2 (OCR) or 1 optimizer step(s)
+        assert r["per_device_train_batch_size"] == 9 and 16 // r["gradient_accumulation_steps"] == (2 if ocr else 1)
         assert r["reward_funcs"] == {"geneval": ["http://127.0.0.1:18085"], "ocr": ["ocr"],
                                      "pickscore": ["pickscore"]}[task]
 

@@ -58,6 +58,9 @@ class DiffusionNFTConfig(FlowRLConfig):
              f"{self.timestep_fraction}) = 0 trains no timestep; raise it or num_inference_steps")
         need(self.timestep_sampling in TIMESTEP_SAMPLINGS, "timestep_sampling", f"must be one of {TIMESTEP_SAMPLINGS}")
         need(self.adv_mode in ADV_MODES, "adv_mode", f"must be one of {ADV_MODES}")
+        need(not (self.same_noise_per_group and self.sampler == "ode"), "same_noise_per_group",
+             "with the deterministic `ode` sampler every trajectory of a group would be the same image (one reward, "
+             "no advantage); set it False or use a stochastic sampler")
         need(self.trust_region == "clip", "trust_region",
              "DiffusionNFT has no ratio to clip or mask (its update is kept near the old policy by nft_beta and the "
              "old policy's decay); leave trust_region at its default")

@@ -279,6 +279,8 @@ class DiffusionNFTTrainer(FlowRLTrainer):
         from safetensors.torch import save_file
 
         names = checkpoints._trainable_names(self)
+        if len(names) != len(self._old_full):
+            raise RuntimeError(f"{len(names)} trainable parameter names for {len(self._old_full)} old-policy tensors")
         save_file(dict(zip(names, self._old_full)), os.path.join(path, OLD_POLICY_NAME))
         checkpoints.follow_umask(os.path.join(path, OLD_POLICY_NAME))
         with open(os.path.join(path, NFT_STATE_NAME), "w", encoding="utf-8") as f:
@@ -294,7 +296,7 @@ class DiffusionNFTTrainer(FlowRLTrainer):
         tensors = load_file(os.path.join(path, OLD_POLICY_NAME))
         names = checkpoints._trainable_names(self)
         missing = [n for n in names if n not in tensors]
-        if missing:
+        if missing or len(names) != len(self.old_params):
             raise ValueError(f"checkpoint {path}: {OLD_POLICY_NAME} lacks {missing[:3]} (saved with other "
                              "lora_target_modules?)")
         with torch.no_grad():
