@@ -276,7 +276,8 @@ def test_load_pipeline_round_trip(tmp_path):
     assert loaded.tokenizer.chat_template == pipe.tokenizer.chat_template
     for p in (pipe, loaded):
         p.set_progress_bar_config(disable=True)
-    assert torch.equal(_pipe_call(loaded, PROMPTS[:2], 2.0, {}, "latent"), _pipe_call(pipe, PROMPTS[:2], 2.0, {}, "latent"))
+    expected = _pipe_call(pipe, PROMPTS[:2], 2.0, {}, "latent")
+    assert torch.equal(_pipe_call(loaded, PROMPTS[:2], 2.0, {}, "latent"), expected)
 
 
 @pytest.mark.parametrize("overrides,match", [
@@ -311,3 +312,23 @@ def test_rope_limits_are_the_real_ones():
             adapter.check_size(132, 32)
         with pytest.raises(IndexError):
             adapter.velocity(pipe.transformer, adapter.initial_noise(1, 132, 32, torch.Generator()), t, embeds, 0.0)
+
+
+def test_recipe_settings_train_on_the_tiny_pipeline(tmp_path):
+    """The GPU recipe's Z-Image-specific settings (guidance 0, one stochastic step in a window, its LoRA targets
+    incl. the feed-forward w1/w2/w3) train on the tiny pipeline; only sizes and batch are shrunk."""
+    from trl_flow import FlowGRPOTrainer, cli
+
+    _, config, _ = cli.parse_args("grpo", [
+        "--config", "zimage_turbo_flow_grpo", "--output_dir", str(tmp_path / "out"), "--bf16", "false",
+        "--height", "32", "--width", "32", "--max_sequence_length", str(MAX_SEQ), "--max_steps", "1",
+        "--num_generations", "2", "--prompts_per_step", "2", "--per_device_train_batch_size", "4",
+        "--gradient_accumulation_steps", "1", "--gradient_checkpointing", "false", "--lora_r", "4",
+        "--lora_alpha", "8", "--disable_tqdm", "true"])
+    assert (config.guidance_scale, config.sde_window_size, config.num_inference_steps) == (0.0, 1, 6)
+    trainer = FlowGRPOTrainer(config, tiny_zimage_pipeline(), [video_or_image_brightness], train_dataset=PROMPTS)
+    wrapped = {n.split(".lora_")[0] for n, _ in trainer.pipe.transformer.named_parameters() if ".lora_" in n}
+    assert {m.rsplit(".", 1)[1] for m in wrapped if ".feed_forward." in m} == {"w1", "w2", "w3"}
+    state = trainer.train()
+    entry = state.log_history[0]
+    assert entry["ratio_first_max_dev"] == 0.0 and torch.isfinite(torch.tensor(entry["loss"]))
