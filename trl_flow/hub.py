@@ -245,7 +245,7 @@ def build_model_card(trainer, repo_id: str, base_model: str | None, license: dic
     fields = {k: v for k, v in cfg.resolved_dict().items() if k not in _PRIVATE_FIELDS}
     rewards = ", ".join(f"`{n}` (weight {w:g})" for n, w in zip(trainer.reward_names, trainer.reward_weights))
     if lora:
-        load = f'pipe.load_lora_weights("{repo_id}")'
+        load = trainer.adapter.lora_load_code(repo_id)
         usage = ("import torch\nfrom diffusers import DiffusionPipeline\n\n"
                  + (f'pipe = DiffusionPipeline.from_pretrained("{base_model}", torch_dtype=torch.bfloat16)\n'
                     if base_model else "# pipe: the diffusers pipeline this LoRA was trained from\n")
@@ -294,7 +294,7 @@ def upload_patterns(trainer, include_replay_buffer: bool) -> list[str]:
     """The files of ``output_dir`` that are uploaded: the model ``save_model`` wrote, the card, the grid, and the
     replay buffer if asked for."""
     if trainer.config.finetune == "lora":
-        patterns = [LORA_WEIGHT_NAME]
+        patterns = list(trainer.adapter.lora_weight_names())
     else:  # save_pretrained: model_index.json and one folder per component
         patterns = ["model_index.json"] + [f"{name}/*" for name, c in trainer.pipe.components.items() if c is not None]
     patterns += ["README.md", GRID_PATH]
@@ -372,7 +372,8 @@ def push_later(trainer, repo_id: str, include_replay_buffer: bool = False, priva
     cfg = trainer.config
     folder = os.path.abspath(cfg.output_dir)
     patterns = upload_patterns(trainer, include_replay_buffer)
-    model = (LORA_WEIGHT_NAME if cfg.finetune == "lora" else "model_index.json and the pipeline's component folders")
+    model = (" + ".join(trainer.adapter.lora_weight_names()) if cfg.finetune == "lora"
+             else "model_index.json and the pipeline's component folders")
     command = " ".join(["hf", "upload", shlex.quote(repo_id), shlex.quote(folder), "."]
                        + [f"--include {shlex.quote(p)}" for p in patterns] + (["--private"] if private else []))
     return (f"Nothing is lost: the trained model is saved in {folder} ({model}; the model card README.md and "

@@ -201,6 +201,34 @@ class FlowAdapter:
         ``output_type="pt"`` output. Called under ``torch.no_grad()``; the rewards get exactly this."""
         raise NotImplementedError
 
+    # ------------------------------------------------------------------------------------- what is trained
+    def trained_components(self) -> tuple[str, ...]:
+        """Names of the pipeline components whose weights are trained (kept in float32 under ``finetune="full"``,
+        checked for a leftover LoRA). Default: ``("transformer",)``."""
+        return ("transformer",)
+
+    def trainable_module(self) -> torch.nn.Module:
+        """The one module the trainer trains (LoRA or full), prepares and passes to :meth:`velocity` as ``model``.
+        Default: ``pipe.transformer``; a family with several trained transformers returns a module holding them
+        (Wan2.2: :class:`~trl_flow.models.wan22.WanExperts`)."""
+        return self.pipe.transformer
+
+    def trainable_steps(self, schedule: Schedule) -> torch.Tensor | None:
+        """(K,) bool: the steps whose velocity depends on the trained weights, or None for all. The others are
+        sampled with the ODE kernel and never trained (Wan2.2 with one expert trained)."""
+        return None
+
+    # ----------------------------------------------------------------------------------------------- LoRA files
+    def lora_weight_names(self) -> tuple[str, ...]:
+        """The LoRA file(s) :meth:`save_lora_weights` writes; the first is the main one."""
+        from ..trainers.checkpoints import LORA_WEIGHT_NAME
+
+        return (LORA_WEIGHT_NAME,)
+
+    def lora_load_code(self, source: str) -> str:
+        """Python that loads a saved LoRA from ``source`` into ``pipe`` (for the model card)."""
+        return f'pipe.load_lora_weights("{source}")'
+
     def save_lora_weights(self, save_directory: str, state_dict: dict, metadata: dict | None) -> None:
         """Write a transformer LoRA (peft state dict) with the pipeline class's own ``save_lora_weights``, so that
         ``pipe.load_lora_weights(save_directory)`` loads it.
@@ -208,11 +236,26 @@ class FlowAdapter:
         The file is byte-identical for identical weights (set-valued metadata such as ``target_modules`` is sorted:
         a set's order depends on the process's string hash seed) and gets the permissions of any file the user
         creates (safetensors writes it 0600; here it follows the umask, like the other checkpoint files)."""
+        self._write_lora(save_directory, state_dict, metadata, self.lora_weight_names()[0])
+
+    def read_lora_weights(self, input_dir: str) -> dict:
+        """What :meth:`save_lora_weights` wrote in ``input_dir``, as a peft state dict of :meth:`trainable_module`."""
+        return self._read_lora(input_dir, self.lora_weight_names()[0])
+
+    def _write_lora(self, save_directory: str, state_dict: dict, metadata: dict | None, weight_name: str) -> None:
         if metadata is not None:
             metadata = {k: sorted(v) if isinstance(v, (set, frozenset)) else v for k, v in metadata.items()}
         self.pipeline_class.save_lora_weights(
-            save_directory, transformer_lora_layers=state_dict, transformer_lora_adapter_metadata=metadata
+            save_directory, transformer_lora_layers=state_dict, transformer_lora_adapter_metadata=metadata,
+            weight_name=weight_name,
         )
-        from ..trainers.checkpoints import LORA_WEIGHT_NAME, follow_umask
+        from ..trainers.checkpoints import follow_umask
 
-        follow_umask(os.path.join(save_directory, LORA_WEIGHT_NAME))
+        follow_umask(os.path.join(save_directory, weight_name))
+
+    def _read_lora(self, input_dir: str, weight_name: str) -> dict:
+        cls = self.pipeline_class
+        sd = cls.lora_state_dict(input_dir, weight_name=weight_name, use_safetensors=True)
+        sd = sd[0] if isinstance(sd, tuple) else sd
+        prefix = f"{getattr(cls, 'transformer_name', 'transformer')}."
+        return {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}

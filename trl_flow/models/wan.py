@@ -1,4 +1,5 @@
-"""Adapter for ``WanPipeline`` (Wan2.1 text-to-video)."""
+"""Adapter for ``WanPipeline``: Wan2.1 text-to-video, and Wan2.2 (the A14B two-expert form and the TI2V-5B
+``expand_timesteps`` form, text-to-video)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,21 @@ import warnings
 
 import torch
 
+from . import wan22
 from .base import FlowAdapter, PromptEmbeds, Schedule
 
 _SCHEDULER_SWAP_WARNED = False
+
+
+def _check_guidance_scale_2(value, two_experts: bool):
+    if value is None:
+        return None
+    if not two_experts:
+        raise ValueError(f"guidance_scale_2={value!r}: it guides Wan2.2's low-noise expert (transformer_2); this "
+                         "pipeline has one transformer: leave guidance_scale_2 unset")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"guidance_scale_2={value!r}: must be a finite number >= 0")
+    return float(value)
 
 
 def _check_num_frames(num_frames, temporal: int, name: str = "num_frames") -> int:
@@ -35,7 +48,18 @@ class WanAdapter(FlowAdapter):
       (once per process); ``pipe()`` then samples with it too.
     * ``num_frames`` comes from the trainer config (:meth:`configure`); it must be 4k + 1.
 
-    Wan2.2 (two experts with ``boundary_ratio``, or ``expand_timesteps``) is not supported.
+    Wan2.2, as ``WanPipeline.__call__`` does it:
+
+    * two experts (``transformer_2`` and ``boundary_ratio``, A14B): ``transformer`` serves the steps with
+      ``t >= boundary_ratio * num_train_timesteps`` with ``guidance_scale``, ``transformer_2`` the others with
+      ``guidance_scale_2`` (None: ``guidance_scale``). ``experts`` (``all`` | ``high_noise`` | ``low_noise``) says
+      which are trained; the trainer trains :meth:`trainable_module` (a :class:`~trl_flow.models.wan22.WanExperts`),
+      an expert left out stays frozen and its steps are sampled with the ODE kernel (:meth:`trainable_steps`). The
+      reference policy is each trained expert with its LoRA disabled (or its frozen copy) and the frozen expert
+      itself, so the KL is 0 at a frozen expert's steps. Each trained expert's LoRA is its own diffusers file
+      (:mod:`~trl_flow.models.wan22`);
+    * ``expand_timesteps`` (TI2V-5B): the transformer gets one timestep per latent token, ``(B, F' h w / 4)``, built
+      as the pipeline builds it; the Wan2.2 VAE compresses space by 16 (latents (48, F', H / 16, W / 16)).
     """
 
     #: Wan's attention projections: ``to_q/k/v/to_out.0`` of both the self-attention (``attn1``) and the text
@@ -43,17 +67,21 @@ class WanAdapter(FlowAdapter):
     default_lora_target_modules = ("to_q", "to_k", "to_v", "to_out.0")
     pipeline_tag = "text-to-video"
 
-    def __init__(self, pipe, num_frames: int = 33, negative_prompt: str = ""):
+    def __init__(self, pipe, num_frames: int = 33, negative_prompt: str = "", guidance_scale_2: float | None = None,
+                 experts: str = "all"):
         super().__init__(pipe)
-        if pipe.config.get("boundary_ratio") is not None or getattr(pipe, "transformer_2", None) is not None:
-            raise ValueError("pipe: Wan2.2 two-expert pipelines (transformer_2 / boundary_ratio) are not supported; "
-                             "use a Wan2.1 pipeline")
-        if pipe.config.get("expand_timesteps", False):
-            raise ValueError("pipe: Wan2.2 pipelines with expand_timesteps=True are not supported")
         if pipe.transformer is None:
             raise ValueError("pipe: the WanPipeline has no transformer")
+        two = pipe.config.get("boundary_ratio") is not None
+        if two and getattr(pipe, "transformer_2", None) is None:
+            raise ValueError("pipe: boundary_ratio is set but transformer_2 is None; a Wan2.2 two-expert pipeline "
+                             "needs both transformers (Wan-AI/Wan2.2-T2V-A14B-Diffusers holds them)")
+        self.two_experts = two
         self.num_frames = _check_num_frames(num_frames, pipe.vae_scale_factor_temporal)
         self.negative_prompt = negative_prompt
+        self.guidance_scale_2 = _check_guidance_scale_2(guidance_scale_2, two)
+        self.experts = self._check_experts(experts)
+        self._experts_module = None
         self._ensure_flow_match_scheduler()
 
     @property
@@ -83,6 +111,76 @@ class WanAdapter(FlowAdapter):
 
     def configure(self, config) -> None:
         self.num_frames = _check_num_frames(config.num_frames, self.pipe.vae_scale_factor_temporal)
+        gs2 = getattr(config, "guidance_scale_2", None)
+        self.guidance_scale_2 = _check_guidance_scale_2(gs2, self.two_experts) if gs2 is not None else self.guidance_scale_2
+        self.experts = self._check_experts(getattr(config, "experts", "all"))
+        self._experts_module = None
+        if self.two_experts and self.experts != "all":  # a stochastic step must be served by a trained expert
+            mask = self.trainable_steps(self.schedule(config.num_inference_steps, config.height, config.width))
+            if not bool(mask[:-1].any()):
+                raise ValueError(
+                    f"experts={self.experts!r}: no step but the last (always deterministic) of the "
+                    f"num_inference_steps={config.num_inference_steps} schedule is served by the trained expert "
+                    f"(boundary_ratio={self.pipe.config.boundary_ratio}); raise num_inference_steps or train "
+                    "experts='all'")
+
+    def _check_experts(self, experts) -> str:
+        if experts not in wan22.EXPERT_CHOICES:
+            raise ValueError(f"experts={experts!r}: must be one of {sorted(wan22.EXPERT_CHOICES)}")
+        if experts != "all" and not self.two_experts:
+            raise ValueError(f"experts={experts!r}: this WanPipeline has one transformer (no boundary_ratio / "
+                             "transformer_2); use experts='all'")
+        return experts
+
+    # ------------------------------------------------------------------------------------- what is trained
+    def trained_components(self) -> tuple[str, ...]:
+        return wan22.EXPERT_CHOICES[self.experts] if self.two_experts else ("transformer",)
+
+    def trainable_module(self) -> torch.nn.Module:
+        """``pipe.transformer`` (one transformer), or the :class:`~trl_flow.models.wan22.WanExperts` of the trained
+        experts (two experts; the same object on every call)."""
+        if not self.two_experts:
+            return self.pipe.transformer
+        if self._experts_module is None:
+            self._experts_module = wan22.WanExperts({n: getattr(self.pipe, n) for n in self.trained_components()})
+        return self._experts_module
+
+    def trainable_steps(self, schedule: Schedule):
+        """(K,) bool: the steps served by a trained expert (None with one transformer, or both experts trained)."""
+        if not self.two_experts or self.experts == "all":
+            return None
+        high = wan22.expert_of(schedule.timesteps, wan22.boundary_timestep(self.pipe)).cpu()
+        return high if self.experts == "high_noise" else ~high
+
+    def lora_weight_names(self) -> tuple[str, ...]:
+        if not self.two_experts:
+            return super().lora_weight_names()
+        return tuple(wan22.LORA_FILES[n] for n in self.trained_components())
+
+    def lora_load_code(self, source: str) -> str:
+        if not self.two_experts:
+            return super().lora_load_code(source)
+        lines = []
+        for name in self.trained_components():
+            extra = ", load_into_transformer_2=True" if name == "transformer_2" else ""
+            lines.append(f'pipe.load_lora_weights("{source}", weight_name="{wan22.LORA_FILES[name]}", '
+                         f'adapter_name="{name}"{extra})')
+        return "\n".join(lines)
+
+    def save_lora_weights(self, save_directory, state_dict, metadata) -> None:
+        if not self.two_experts:
+            return super().save_lora_weights(save_directory, state_dict, metadata)
+        for name, part in wan22.split_lora_state_dict(state_dict, self.trained_components()).items():
+            self._write_lora(save_directory, part, metadata, wan22.LORA_FILES[name])
+
+    def read_lora_weights(self, input_dir: str) -> dict:
+        if not self.two_experts:
+            return super().read_lora_weights(input_dir)
+        out = {}
+        for name in self.trained_components():
+            part = self._read_lora(input_dir, wan22.LORA_FILES[name])
+            out.update({f"{name}.{k}": v for k, v in part.items()})
+        return out
 
     @property
     def resolution_multiple(self) -> int:
@@ -118,19 +216,63 @@ class WanAdapter(FlowAdapter):
                         timesteps=scheduler.timesteps.clone())
 
     def velocity(self, model, x, timestep, embeds, guidance_scale, detach_uncond=False) -> torch.Tensor:
-        dtype = self.transformer.dtype
-        latents = x.to(dtype)
+        """As ``WanPipeline.__call__``: with two experts each sample's timestep picks the expert and its guidance
+        scale (``model``: the trainer's :class:`~trl_flow.models.wan22.WanExperts`, whose experts serve their steps,
+        the pipeline's frozen expert the others; a plain transformer serves the high-noise steps)."""
         t = torch.as_tensor(timestep, device=x.device)
         t = t.expand(x.shape[0]) if t.ndim == 0 else t
+        cfg = guidance_scale > 1 and "negative_prompt_embeds" in embeds  # the pipeline: CFG iff guidance_scale > 1
+        if not self.two_experts:
+            return self._expert_velocity(model, x, t, embeds, guidance_scale, cfg, detach_uncond)
+        high = wan22.expert_of(t, wan22.boundary_timestep(self.pipe))
+        gs2 = guidance_scale if self.guidance_scale_2 is None else self.guidance_scale_2
+        parts = [(high, self._expert(model, "transformer"), guidance_scale),
+                 (~high, self._expert(model, "transformer_2"), gs2)]
+        parts = [p for p in parts if bool(p[0].any())]
+        if len(parts) == 1:  # the whole batch on one expert: exactly the pipeline's call
+            _, m, g = parts[0]
+            return self._expert_velocity(m, x, t, embeds, g, cfg, detach_uncond)
+        v = None
+        for sel, m, g in parts:
+            idx = sel.nonzero().squeeze(1)
+            part = self._expert_velocity(m, x[idx], t[idx], {k: e[idx] for k, e in embeds.items()}, g, cfg,
+                                         detach_uncond)
+            v = torch.zeros((x.shape[0], *part.shape[1:]), dtype=part.dtype, device=part.device) if v is None else v
+            v = v.index_put((idx,), part)
+        return v
+
+    def _expert(self, model, name: str):
+        """A callable ``f(**transformer_kwargs)`` for expert ``name``."""
+        inner = getattr(model, "module", model)  # a DDP wrapper calls through to the module
+        if isinstance(inner, wan22.WanExperts):
+            if name in inner.names:
+                return lambda **kw: model(expert=name, **kw)
+            return getattr(self.pipe, name)
+        return model if name == "transformer" else getattr(self.pipe, name)
+
+    def _expert_velocity(self, model, x, t, embeds, guidance_scale, cfg, detach_uncond) -> torch.Tensor:
+        dtype = self.transformer.dtype
+        latents = x.to(dtype)
+        t = self._model_timestep(t, x)
         v = model(hidden_states=latents, timestep=t, encoder_hidden_states=embeds["prompt_embeds"].to(dtype),
                   return_dict=False)[0]
-        if guidance_scale > 1 and "negative_prompt_embeds" in embeds:
+        if cfg:
             v_uncond = model(hidden_states=latents, timestep=t,
                              encoder_hidden_states=embeds["negative_prompt_embeds"].to(dtype), return_dict=False)[0]
             if detach_uncond:
                 v_uncond = v_uncond.detach()
             v = v_uncond + guidance_scale * (v - v_uncond)
         return v.float()
+
+    def _model_timestep(self, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """(B,) timesteps, or with ``expand_timesteps`` (B, F' * ceil(h / 2) * ceil(w / 2)): one per latent token,
+        ``ones * t`` as the pipeline builds it."""
+        if not self.pipe.config.get("expand_timesteps", False):
+            return t
+        mask = torch.ones(x.shape[2:], dtype=torch.float32, device=x.device)[:, ::2, ::2].flatten()
+        if bool((t == t[0]).all()):  # one timestep for the batch: the pipeline's own expression
+            return (mask * t[0]).unsqueeze(0).expand(x.shape[0], -1)
+        return mask[None, :] * t[:, None].float()
 
     def decode(self, latents) -> torch.Tensor:
         """Videos (B, F, 3, H, W) float32 in [0, 1] from latents (B, C, F', h, w)."""

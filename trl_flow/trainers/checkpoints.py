@@ -59,7 +59,7 @@ _FORMAT = "trl_flow.checkpoint"
 #: mean something else (another adapter shape, another policy family, another group structure).
 REFUSED_CHANGES = (
     "finetune", "lora_r", "lora_alpha", "lora_target_modules", "lora_dropout", "optim", "num_generations",
-    "sampler", "noise_level", "logprob_reduction", "truncation_step",
+    "sampler", "noise_level", "logprob_reduction", "truncation_step", "experts",
 )
 #: Changing one of these on resume does not change what is trained: accepted silently.
 HARMLESS_CHANGES = (
@@ -432,17 +432,14 @@ def write_lora(trainer, output_dir: str, sd: dict | None = None) -> None:
 
 
 def read_lora(trainer, input_dir: str) -> None:
-    """Load ``pytorch_lora_weights.safetensors`` of a checkpoint into the trained adapter (exact)."""
+    """Load the LoRA file(s) of a checkpoint (``adapter.lora_weight_names()``) into the trained adapter (exact)."""
     from peft.utils import set_peft_model_state_dict
 
-    cls = trainer.adapter.pipeline_class
     try:
-        sd = cls.lora_state_dict(input_dir, weight_name=LORA_WEIGHT_NAME, use_safetensors=True)
+        sd = trainer.adapter.read_lora_weights(input_dir)
     except Exception as e:
-        raise ValueError(f"checkpoint {input_dir}: {LORA_WEIGHT_NAME} cannot be loaded: {e}") from e
-    sd = sd[0] if isinstance(sd, tuple) else sd
-    prefix = f"{getattr(cls, 'transformer_name', 'transformer')}."
-    sd = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
+        names = " + ".join(trainer.adapter.lora_weight_names())
+        raise ValueError(f"checkpoint {input_dir}: {names} cannot be loaded: {e}") from e
     model = trainer.accelerator.unwrap_model(trainer.model)
     result = set_peft_model_state_dict(model, sd, adapter_name="default")
     if getattr(result, "unexpected_keys", None):

@@ -58,13 +58,13 @@ def check_batch(config, num_processes: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- pipeline
-def check_no_adapter(transformer) -> None:
-    """The trainer adds its own LoRA adapter ``default``: a transformer that already holds one (a pipeline given
-    to a trainer before, or with loaded LoRA weights) is refused with the fix."""
+def check_no_adapter(transformer, name: str = "transformer") -> None:
+    """The trainer adds its own LoRA adapter ``default``: a transformer (``pipe.<name>``) that already holds one (a
+    pipeline given to a trainer before, or with loaded LoRA weights) is refused with the fix."""
     names = list(getattr(transformer, "peft_config", None) or {})
     if names:
         raise ValueError(
-            f"pipe.transformer already holds LoRA adapter(s) {names}: this pipeline was given to a trainer before, or "
+            f"pipe.{name} already holds LoRA adapter(s) {names}: this pipeline was given to a trainer before, or "
             "has LoRA weights loaded. Build or load a fresh pipeline for each trainer; to start from a LoRA, merge "
             "it first: pipe.fuse_lora(); pipe.unload_lora_weights()"
         )

@@ -63,6 +63,9 @@ def earlier_outputs(output_dir: str, run_id: str) -> list[str]:
     for name in (checkpoints.LORA_WEIGHT_NAME, PIPELINE_INDEX):
         if os.path.isfile(os.path.join(output_dir, name)):
             found.append(name)
+    lora_stem = checkpoints.LORA_WEIGHT_NAME.rsplit(".", 1)[0]  # a family's further LoRA files (Wan2.2's second expert)
+    found += sorted(n for n in os.listdir(output_dir) if n.startswith(lora_stem + "_") and n.endswith(".safetensors")
+                    and os.path.isfile(os.path.join(output_dir, n)))
     log = os.path.join(output_dir, LOG_NAME)
     if os.path.isfile(log) and os.path.getsize(log) > 0:
         found.append(LOG_NAME)

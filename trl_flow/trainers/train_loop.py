@@ -140,7 +140,7 @@ def save_model(trainer, output_dir: str | None = None) -> str:
     step into the same folder (``train()`` saves the final model; a later ``save_model()`` or ``push_to_hub()``
     then writes nothing again)."""
     target = output_dir or trainer.config.output_dir
-    main_file = checkpoints.LORA_WEIGHT_NAME if trainer.config.finetune == "lora" else run_dir.PIPELINE_INDEX
+    main_file = trainer.adapter.lora_weight_names()[0] if trainer.config.finetune == "lora" else run_dir.PIPELINE_INDEX
     key = (os.path.realpath(target), trainer.state.global_step)
     if getattr(trainer, "_saved_model", None) == key:  # the main process decides: it is the one that wrote
         acc = trainer.accelerator
