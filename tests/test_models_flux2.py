@@ -310,3 +310,28 @@ def test_bad_size_fails_before_compute(tmp_path, family, overrides, match):
 def test_bad_text_encoder_layers_are_refused():
     with pytest.raises(ValueError, match="text_encoder_out_layers=\\(9, 18, 40\\): the text encoder has 27 layers"):
         Flux2KleinAdapter(make_pipe("klein"), text_encoder_out_layers=(9, 18, 40))
+
+
+@pytest.mark.parametrize("name,family", [("flux2_dev_flow_grpo", "flux2"), ("flux2_klein_flow_grpo", "klein")])
+def test_recipe_targets_and_batch_layout(name, family):
+    """The GPU recipes: the real Hub ids; their LoRA targets (Flow-Factory's) adapt both streams' attention and
+    feed-forward projections of the double blocks and the single blocks' fused input projection; 768 samples per
+    iteration on 8 processes are 2 optimizer steps (as Flow-Factory's gradient_step_per_epoch: 2)."""
+    import yaml
+    from peft import LoraConfig
+
+    from trl_flow import cli
+
+    with open(cli.shipped("recipes")[name]) as f:
+        recipe = yaml.safe_load(f)
+    assert recipe["model_name_or_path"] == {"flux2": "black-forest-labs/FLUX.2-dev",
+                                            "klein": "black-forest-labs/FLUX.2-klein-base-9B"}[family]
+    per_process = recipe["prompts_per_step"] * recipe["num_generations"] // 8
+    assert per_process // (recipe["per_device_train_batch_size"] * recipe["gradient_accumulation_steps"]) == 2
+    transformer = make_pipe(family).transformer
+    transformer.add_adapter(LoraConfig(r=2, target_modules=recipe["lora_target_modules"]))
+    adapted = sorted(n.rsplit(".lora_A", 1)[0] for n, _ in transformer.named_parameters() if ".lora_A." in n)
+    double = [f"transformer_blocks.0.attn.{p}" for p in ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj",
+                                                          "add_k_proj", "add_v_proj", "to_add_out")]
+    double += [f"transformer_blocks.0.{ff}.{p}" for ff in ("ff", "ff_context") for p in ("linear_in", "linear_out")]
+    assert adapted == sorted(double + ["single_transformer_blocks.0.attn.to_qkv_mlp_proj"])
