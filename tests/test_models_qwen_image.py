@@ -222,6 +222,25 @@ def test_bad_config_fails_before_compute(tmp_path, overrides, match):
     assert calls == []
 
 
+def test_a_prompt_cut_at_max_sequence_length_warns_once():
+    """pipe.encode_prompt cuts a prompt longer than max_sequence_length silently: the adapter says so, once."""
+    import warnings
+
+    adapter = QwenImageAdapter(tiny_qwen_image_pipeline())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            adapter.encode_prompts(PROMPTS, False, MAX_SEQ)  # 9 to 13 tokens: no warning
+    long = "a dog " * 10
+    with pytest.warns(UserWarning, match=r"1 of 2 prompts are longer than max_sequence_length=16 .*: 46\)"):
+        with torch.no_grad():
+            adapter.encode_prompts(["a cat", long], False, MAX_SEQ)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            adapter.encode_prompts([long], False, MAX_SEQ)  # reported once
+
+
 def test_bad_adapter_options():
     pipe = tiny_qwen_image_pipeline()
     with pytest.raises(TypeError, match="negative_prompt"):

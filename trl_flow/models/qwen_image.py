@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -51,6 +53,7 @@ class QwenImageAdapter(FlowAdapter):
             raise TypeError(f"negative_prompt: a string (default ' '), got {negative_prompt!r}")
         self.negative_prompt = negative_prompt
         self.max_sequence_length = 512  # the pipeline's default; configure() takes the trainer's
+        self._warned_long = False
 
     @property
     def pipeline_class(self):
@@ -75,7 +78,7 @@ class QwenImageAdapter(FlowAdapter):
             raise ValueError(
                 f"height={height}, width={width}: {rows} x {cols} image tokens; Qwen-Image's rotary embedding has "
                 f"{ROPE_POSITIONS} positions for max(rows, cols) / 2 = {first_text} plus max_sequence_length="
-                f"{self.max_sequence_length} text tokens: pass a smaller size (the model was trained at 1328 x 1328)")
+                f"{self.max_sequence_length} text tokens: pass a smaller size (the model card's 1:1 size is 1328 x 1328)")
 
     def latent_shape(self, height, width):
         s = self.pipe.vae_scale_factor
@@ -88,11 +91,29 @@ class QwenImageAdapter(FlowAdapter):
         ``guidance`` (the trainer's ``guidance_scale > 1``) the same for the negative prompt, whose embeddings keep
         their own length (one prompt: every batch has the same)."""
         prompts = list(prompts)
+        self._check_length(prompts, max_sequence_length)
         out = dict(zip(("prompt_embeds", "prompt_embeds_mask"), self._encode(prompts, max_sequence_length, True)))
         if guidance:
             neg = self._encode([self.negative_prompt] * len(prompts), max_sequence_length, False)
             out.update(zip(("negative_prompt_embeds", "negative_prompt_embeds_mask"), neg))
         return out
+
+    def _check_length(self, prompts, max_sequence_length) -> None:
+        """Warn once when a prompt (with the template's closing tokens) is longer than ``max_sequence_length``:
+        ``pipe.encode_prompt`` cuts it there without a word."""
+        if self._warned_long:
+            return
+        pipe = self.pipe
+        ids = pipe.tokenizer([pipe.prompt_template_encode.format(p) for p in prompts]).input_ids
+        lengths = [len(x) - pipe.prompt_template_encode_start_idx for x in ids]
+        long = [i for i, n in enumerate(lengths) if n > max_sequence_length]
+        if long:
+            self._warned_long = True
+            warnings.warn(
+                f"{len(long)} of {len(prompts)} prompts are longer than max_sequence_length={max_sequence_length} "
+                f"Qwen2.5-VL tokens with the template's closing tokens (e.g. {prompts[long[0]][:80]!r}: "
+                f"{lengths[long[0]]}) and are cut; raise max_sequence_length (at most {MAX_SEQUENCE_LENGTH}) or "
+                "shorten them. Reported once.", UserWarning, stacklevel=3)
 
     def _encode(self, prompts, max_sequence_length, pad: bool):
         pe, mask = self.pipe.encode_prompt(prompt=prompts, device=self.device, max_sequence_length=max_sequence_length)
