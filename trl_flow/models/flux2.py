@@ -73,10 +73,6 @@ class _Flux2AdapterBase(FlowAdapter):
     def resolution_multiple(self) -> int:
         return self.pipe.vae_scale_factor * 2  # VAE downsampling, then 2x2 patches
 
-    def configure(self, config) -> None:
-        if config.max_sequence_length < 1:
-            raise ValueError(f"max_sequence_length={config.max_sequence_length}: must be >= 1")
-
     def latent_shape(self, height, width):
         s2 = self.pipe.vae_scale_factor * 2
         return (self.transformer.config.in_channels, height // s2, width // s2)
