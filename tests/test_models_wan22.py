@@ -334,3 +334,29 @@ def test_bad_values_are_refused_by_the_config_and_the_adapter():
     pipe.transformer_2 = None
     with pytest.raises(ValueError, match="boundary_ratio is set but transformer_2 is None"):
         WanAdapter(pipe)
+
+
+# ---------------------------------------------------------------------------------------------------- recipes
+@pytest.mark.parametrize("recipe,form", [("wan22_t2v_a14b_flow_grpo", "a14b"), ("wan22_ti2v_5b_flow_grpo", "5b")])
+def test_recipe_settings_train_on_the_tiny_pipeline(tmp_path, recipe, form):
+    """The recipe's Wan2.2 settings (experts, both guidance scales, LoRA targets, SDE window, noise) train one
+    iteration on the tiny pipeline of its form, at a tiny size and batch; every trained expert gets every target."""
+    import dataclasses
+
+    from trl_flow import FlowGRPOTrainer, cli
+
+    _, config, _ = cli.parse_args("grpo", ["--config", recipe])
+    H, W = SIZES[form]
+    config = dataclasses.replace(
+        config, output_dir=str(tmp_path / "out"), height=H, width=W, num_frames=5, max_sequence_length=MAX_SEQ,
+        num_generations=2, prompts_per_step=2, per_device_train_batch_size=2, gradient_accumulation_steps=1,
+        max_steps=1, bf16=False, gradient_checkpointing=False, disable_tqdm=True, eval_num_inference_steps=4,
+        per_device_eval_batch_size=2)
+    trainer = FlowGRPOTrainer(config, make_pipe(form), [video_or_image_brightness], train_dataset=PROMPTS)
+    assert trainer.adapter.guidance_scale_2 == config.guidance_scale_2
+    state = trainer.train()
+    assert state.global_step == 1 and state.log_history[0]["ratio_first_max_dev"] == 0.0
+    targets = config.lora_target_modules or list(trainer.adapter.default_lora_target_modules)
+    for name in trainer.adapter.trained_components():
+        adapted = {n.rsplit(".lora_", 1)[0] for n, _ in getattr(trainer.pipe, name).named_parameters() if ".lora_" in n}
+        assert all(any(a.endswith(t) for a in adapted) for t in targets), (name, targets)
