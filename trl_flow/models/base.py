@@ -86,6 +86,9 @@ class FlowAdapter:
       transformer's or VAE's dtype inside (bf16 training: the trainer wraps the calls in autocast).
     * **Gradients.** The trainers call ``velocity`` with gradients enabled on the LoRA-wrapped ``model`` and
       back-propagate through it; never wrap it in ``torch.no_grad()`` and never cache its output.
+
+    A family that trains more than ``pipe.transformer`` (Wan2.2's two experts) overrides the hooks after
+    :meth:`decode` (``trained_components``, ``trainable_module``, ``trainable_steps``, the LoRA file hooks).
     """
 
     #: LoRA target modules used when the config gives none.
@@ -135,7 +138,9 @@ class FlowAdapter:
         on :attr:`device`, in the text encoders' dtype.
 
         * Keys: the pipeline's own ``__call__`` argument names (``prompt_embeds``, ``pooled_prompt_embeds``, ...),
-          so ``pipe(**embeds)`` takes them (the benchmarks rely on this).
+          so ``pipe(**embeds)`` takes them (benchmarks/overhead.py and full_size.py rely on this). Where the
+          pipeline takes another form (Z-Image: a list of unpadded tensors per prompt), store padded tensors with a
+          mask and add ``pipeline_embeds(embeds)`` returning the pipeline's arguments.
         * ``guidance`` is ``guidance_scale > 1``: return the unconditional embeddings too
           (``negative_prompt_embeds``, ...) when the family does classifier-free guidance with two branches;
           distilled-guidance families ignore it.
