@@ -139,7 +139,7 @@ def test_one_loss_evaluation_matches_the_reference_formula(beta):
     per_sample, _ = nft_loss(v, v_old, x0, xt, timesteps / 1000, r, beta, 5.0)
     got = masked_mean(per_sample + 1e-4 * ((v - v_ref) ** 2).mean(dim=(1, 2, 3)), torch.ones(3, dtype=torch.bool))
     assert want.dtype == torch.float64 and abs(float(want)) > 1
-    assert math.isclose(float(got), float(want), rel_tol=2e-6)
+    assert math.isclose(float(got), float(want), rel_tol=5e-7)  # measured 8e-8 (beta 1), 3e-8 (beta 0.1)
 
 
 def test_optimality_probability_and_its_advantage_modes():
@@ -233,7 +233,7 @@ def test_two_iterations_train_and_keep_weights_finite(tmp_path, fresh_pipe, samp
 def test_training_points_are_the_schedules_timesteps_seeded_per_sample(tmp_path, fresh_pipe):
     tr = make_nft(tmp_path, fresh_pipe, num_inference_steps=10, max_steps=1)
     ro = tr.make_rollout(0)
-    assert tr.config.num_train_timesteps == 9
+    assert tr.config.num_train_timesteps == tr.num_train_timesteps(ro.schedule) == 9
     idx = torch.arange(4)
     order, _ = tr.training_points(ro, idx, 0, 0, 0)
     assert order.shape == (4, 9) and all(len(set(row.tolist())) == 9 for row in order)
@@ -243,6 +243,11 @@ def test_training_points_are_the_schedules_timesteps_seeded_per_sample(tmp_path,
     tr.config.timestep_sampling = "shared"
     shared, _ = tr.training_points(ro, idx, 0, 0, 0)
     assert all(torch.equal(row, shared[0]) for row in shared) and sorted(shared[0].tolist()) == list(range(9))
+    # a frozen part of the schedule (Wan2.2 with one expert trained) is never a training point
+    tr.adapter.trainable_steps = lambda schedule: torch.arange(10) >= 4
+    tr.config.timestep_sampling = "per_sample"
+    order, _ = tr.training_points(ro, idx, 0, 0, 0)
+    assert tr.num_train_timesteps(ro.schedule) == 5 and order.shape == (4, 5) and bool((order >= 4).all())
 
 
 def test_equal_rewards_everywhere_leave_the_weights_unchanged(tmp_path, fresh_pipe):

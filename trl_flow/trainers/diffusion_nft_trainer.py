@@ -169,18 +169,30 @@ class DiffusionNFTTrainer(FlowRLTrainer):
         rollout.advantages = adv[self._local_slice(len(adv))].to(self.device)
 
     # ------------------------------------------------------------ forward-process training timesteps
+    def timestep_candidates(self, schedule) -> torch.Tensor:
+        """The schedule steps a training point may use: all K, or those whose velocity depends on the trained
+        weights (``adapter.trainable_steps``: Wan2.2 with one expert trained)."""
+        trainable = getattr(self.adapter, "trainable_steps", lambda s: None)(schedule)
+        return (torch.arange(schedule.num_steps) if trainable is None
+                else trainable.cpu().nonzero().squeeze(1)).to(self.device)
+
+    def num_train_timesteps(self, schedule) -> int:
+        """T = int(candidates * timestep_fraction), at least 1: the same on every process."""
+        return max(1, int(len(self.timestep_candidates(schedule)) * self.config.timestep_fraction))
+
     def training_points(self, rollout, idx: torch.Tensor, step: int, epoch: int, batch: int):
         """Schedule indices (B, T) of the microbatch ``idx``'s training timesteps, and one generator per sample for
         its noise. Seeded by (seed, iteration, pass, global sample index): the same on any number of processes."""
         cfg = self.config
-        K, T = rollout.schedule.num_steps, cfg.num_train_timesteps
+        cand = self.timestep_candidates(rollout.schedule)
+        T = self.num_train_timesteps(rollout.schedule)
         offset = self.accelerator.process_index * len(rollout)
         gens = [self._generator(step, f"nft/{epoch}/{int(i) + offset}", device=self.device) for i in idx.tolist()]
         if cfg.timestep_sampling == "per_sample":  # the reference: a permutation of the K timesteps per sample
-            order = torch.stack([torch.randperm(K, generator=g, device=self.device)[:T] for g in gens])
+            order = torch.stack([cand[torch.randperm(len(cand), generator=g, device=self.device)[:T]] for g in gens])
         else:  # UniRL: the first T of the schedule, shuffled once per microbatch, shared by its samples
             g = self._generator(step, f"nft_shared/{epoch}/{batch}", device=self.device)
-            order = torch.randperm(T, generator=g, device=self.device)[None].expand(len(idx), T)
+            order = cand[:T][torch.randperm(T, generator=g, device=self.device)][None].expand(len(idx), T)
         return order, gens
 
     # ------------------------------------------------------------------------------------ the update
@@ -212,7 +224,7 @@ class DiffusionNFTTrainer(FlowRLTrainer):
         """``num_inner_epochs`` passes; per accumulation group of microbatches, T backward passes per microbatch
         (one per training point), then one optimizer step; then the old-policy update."""
         cfg, acc = self.config, self.accelerator
-        n, mb, T = len(rollout), cfg.per_device_train_batch_size, cfg.num_train_timesteps
+        n, mb, T = len(rollout), cfg.per_device_train_batch_size, self.num_train_timesteps(rollout.schedule)
         r_all = optimality_probability(rollout.advantages, cfg.adv_clip_max, cfg.adv_mode)
         trained = rollout.train_mask[:, 0]
         sums, counts, grad_norms = defaultdict(float), defaultdict(float), []
