@@ -228,6 +228,10 @@ def test_two_iterations_train_and_keep_weights_finite(tmp_path, fresh_pipe, samp
         assert math.isfinite(entry["loss"]) and entry["nonfinite_skipped"] == 0 and entry["kl"] >= 0
         assert 0.0 <= entry["nft/r_mean"] <= 1.0
     assert state.log_history[-1]["nft/optimizer_steps"] == 4
+    if sampler == "ode":  # the KL to the base is measured with a stochastic kernel, never silently as 0
+        with pytest.raises(ValueError, match="no density"):
+            tr.kl_to_reference(PROMPTS[:2])
+        assert float(tr.kl_to_reference(PROMPTS[:2], sampler="flow_sde", noise_level=0.7).min()) > 0
 
 
 def test_training_points_are_the_schedules_timesteps_seeded_per_sample(tmp_path, fresh_pipe):
