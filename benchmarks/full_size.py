@@ -4,7 +4,8 @@ For each family, the real transformer and VAE are built from the real models' co
 with their Hub ids) with random weights, in bf16 on the GPU. The text encoders are not built at full size (the tiny
 pipeline's stand in, never called): the adapter's ``encode_prompts`` is replaced by random embeddings of the real shapes (keys, ranks and dtypes taken from what the
 family's adapter returns on its tiny pipeline in ``trl_flow.testing``; sequence length and width from the real text
-encoder), which the pipeline takes as ``prompt_embeds``. Then, at the published resolution, frames and batch (the
+encoder), which the pipeline takes as ``prompt_embeds``. Families whose prompts are masked (Qwen-Image,
+Z-Image) get all ``max_sequence_length`` tokens valid: an upper bound on the text stream's cost. Then, at the published resolution, frames and batch (the
 family's recipe in ``trl_flow/recipes/`` where there is one, else the setting given here, marked ``fallback``):
 
 * ``rollout``: ``FlowGRPOTrainer.sample`` (SDE rollout storing states, means, log-probs) vs ``pipe(prompt_embeds=...,
@@ -26,6 +27,7 @@ imported in this version is ``status: "skipped"`` with the reason. The whole run
     python benchmarks/full_size.py                         # every family, GPU; writes benchmarks/results/full_size.json
     python benchmarks/full_size.py --families flux.1-dev wan2.1-t2v-1.3b --out /tmp/fs.json
     python benchmarks/full_size.py --tiny --out /tmp/tiny.json   # CPU, tiny configs, seconds (the tests run this)
+    python benchmarks/full_size.py --dry-run     # no GPU: build the real configs on the meta device, print sizes
 """
 
 from __future__ import annotations
@@ -198,19 +200,20 @@ SPECS: dict[str, Spec] = {
         vae=("AutoencoderKLWan", WAN21_VAE),
         scheduler=("UniPCMultistepScheduler", _WAN_UNIPC),
         text=dict(seq=None, width=4096),
-        setting=dict(height=480, width=832, num_frames=33, num_inference_steps=20, guidance_scale=4.0,
-                     per_device_train_batch_size=1, max_sequence_length=512, beta=0.0, lora_r=32, lora_alpha=64,
-                     gradient_checkpointing=True),
-        bench_steps=2, budget_s=100, pipeline_config={"boundary_ratio": 0.875},
-        source="configs: Wan2.2-T2V-A14B-Diffusers (two 14B experts, boundary_ratio 0.875); setting: fallback: "
-               "33 frames of 480 x 832, 20 steps, CFG 4"),
+        setting=dict(height=480, width=480, num_frames=5, num_inference_steps=10, guidance_scale=4.0,
+                     guidance_scale_2=3.0, per_device_train_batch_size=1, max_sequence_length=512, beta=0.0, lora_r=64,
+                     lora_alpha=128, gradient_checkpointing=True, experts="all"),
+        bench_steps=4, budget_s=80, pipeline_config={"boundary_ratio": 0.875},
+        source="configs: Wan2.2-T2V-A14B-Diffusers (two 14B experts, boundary_ratio 0.875); setting: Flow-Factory's "
+               "Wan2.2 GRPO example (recipe wan22_t2v_a14b_flow_grpo)"),
 }
 
 TINY_SETTING = dict(height=32, width=32, num_frames=5, num_inference_steps=3, per_device_train_batch_size=2,
                     max_sequence_length=16, lora_r=4, lora_alpha=8, gradient_checkpointing=False)
 SETTING_KEYS = ("height", "width", "num_frames", "num_inference_steps", "guidance_scale", "per_device_train_batch_size",
                 "max_sequence_length", "beta", "lora_r", "lora_alpha", "lora_target_modules", "gradient_checkpointing",
-                "noise_level")
+                "noise_level", "experts", "guidance_scale_2")
+FAMILY_FIELDS = ("experts", "guidance_scale_2")  # config fields of some families, passed when the setting has them
 
 
 # ----------------------------------------------------------------------------------------------- set-up
@@ -420,7 +423,7 @@ def measure(name: str, tiny: bool, steps: int | None, repeats: int, partial: str
                 lora_r=setting.get("lora_r", 32), lora_alpha=setting.get("lora_alpha", 64),
                 lora_target_modules=setting.get("lora_target_modules"),
                 gradient_checkpointing=setting.get("gradient_checkpointing", False), bf16=dtype == torch.bfloat16,
-                guidance_grad="both", disable_tqdm=True)
+                guidance_grad="both", disable_tqdm=True, **{k: setting[k] for k in FAMILY_FIELDS if k in setting})
 
             def reward(images, prompts, **columns):
                 return images.float().mean(dim=tuple(range(1, images.ndim)))
@@ -443,6 +446,8 @@ def measure(name: str, tiny: bool, steps: int | None, repeats: int, partial: str
                         output_type="latent")
             if "num_frames" in setting and spec.pipeline == "WanPipeline":
                 call["num_frames"] = setting["num_frames"]
+            if "guidance_scale_2" in setting:  # Wan2.2's low-noise expert
+                call["guidance_scale_2"] = setting["guidance_scale_2"]
             for k, v in spec.pipe_kwargs.items():
                 if v is None:
                     call.pop(k, None)
@@ -598,11 +603,15 @@ def main(argv=None):
     ap.add_argument("--time-limit", type=float, default=450.0, help="seconds for the whole run (GPU)")
     ap.add_argument("--isolate", choices=("auto", "process", "none"), default="auto",
                     help="one process per family with its budget (auto: on the GPU, not with --tiny)")
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "full_size.json"))
+    ap.add_argument("--out", default=None, help="JSON to write (default: benchmarks/results/full_size.json; with "
+                                                "--tiny full_size_tiny.json, with --dry-run full_size_dry_run.json)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--partial", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.out is None:
+        suffix = "_dry_run" if args.dry_run else "_tiny" if args.tiny else ""
+        args.out = os.path.join(ROOT, "benchmarks", "results", f"full_size{suffix}.json")
     if args.tiny:
         torch.set_num_threads(1)
     if args.one:
