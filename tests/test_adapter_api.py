@@ -203,7 +203,13 @@ def _entry_points(monkeypatch, tmp_path, specs):
 
 
 def test_entry_point_registers_a_family_on_first_lookup(monkeypatch, tmp_path):
-    calls = _entry_points(monkeypatch, tmp_path, [("PluginSD3Pipeline", "toy_trl_flow_plugin:PluginAdapter")])
+    calls = _entry_points(monkeypatch, tmp_path, [
+        ("PluginSD3Pipeline", "toy_trl_flow_plugin:PluginAdapter"),
+        # entry points naming the adapter a pipeline already has (imported or still lazy) are quietly redundant
+        ("StableDiffusion3Pipeline", "trl_flow.models.sd3:SD3Adapter"),
+        ("QwenImagePipeline", "trl_flow.models.qwen_image:QwenImageAdapter"),
+    ])
+    monkeypatch.setitem(models._ADAPTERS, "QwenImagePipeline", ".qwen_image:QwenImageAdapter")  # not imported
     Plugin = type("PluginSD3Pipeline", (StableDiffusion3Pipeline,), {})
     with warnings.catch_warnings():
         warnings.simplefilter("error")

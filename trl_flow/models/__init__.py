@@ -74,8 +74,9 @@ def _load_entry_points() -> None:
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         current = _ADAPTERS.get(ep.name)
         if current is not None:  # registered before (a built-in, or by the plug-in itself): that one stays
-            if ep.value != (current.lstrip(".") if isinstance(current, str) else
-                            f"{current.__module__}:{current.__qualname__}"):
+            same = (__name__ + current if current.startswith(".") else current) if isinstance(current, str) else (
+                f"{current.__module__}:{current.__qualname__}")
+            if ep.value.replace(" ", "") != same:
                 warnings.warn(f"trl_flow: entry point {ep.name} = {ep.value} ({ENTRY_POINT_GROUP}) ignored: "
                               f"{ep.name} already has an adapter ({_adapter_name(current)}); call "
                               "register_adapter(..., overwrite=True) to replace it", stacklevel=3)
