@@ -36,7 +36,6 @@ import argparse
 import contextlib
 import glob
 import json
-import math
 import os
 import platform
 import resource
@@ -219,8 +218,6 @@ FAMILY_FIELDS = ("experts", "guidance_scale_2")  # config fields of some familie
 # ----------------------------------------------------------------------------------------------- set-up
 def availability(name: str) -> str | None:
     """None when the family can run in this version, else why not."""
-    import importlib
-
     import diffusers
 
     import trl_flow.models as models
@@ -242,7 +239,6 @@ def availability(name: str) -> str | None:
     for cls in (spec.transformer[0], spec.vae[0], spec.scheduler[0]):
         if not hasattr(diffusers, cls):
             return f"diffusers {diffusers.__version__} has no {cls}"
-    importlib.import_module("diffusers")
     return None
 
 

@@ -18,7 +18,7 @@ from conftest import HEIGHT, MAX_SEQ, PROMPTS, WIDTH, brightness, tiny_config
 from diffusers import DiffusionPipeline, StableDiffusion3Pipeline
 
 import trl_flow.models as models
-from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
+from trl_flow import FlowGRPOTrainer
 from trl_flow.models import FlowAdapter, SD3Adapter, Schedule, get_adapter, register_adapter, registered_adapters
 from trl_flow.testing import tiny_sd3_pipeline
 
