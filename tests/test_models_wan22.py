@@ -303,6 +303,46 @@ def test_resume_with_other_experts_is_refused(tmp_path):
         make(max_steps=2, experts="low_noise").load_checkpoint(str(tmp_path / "out" / "checkpoint-1"))
 
 
+def _ddp_run(out: str) -> None:
+    """Run by torchrun (2 CPU processes): both experts trained, one SDE step per rollout, so an iteration's backward
+    runs one expert only."""
+    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
+
+    config = FlowGRPOConfig(output_dir=out, max_steps=4, num_generations=2, prompts_per_step=2,
+                            per_device_train_batch_size=2, height=32, width=32, max_sequence_length=MAX_SEQ,
+                            num_inference_steps=6, guidance_scale=4.0, guidance_scale_2=3.0, lora_r=4, lora_alpha=8,
+                            learning_rate=1e-2, clip_range=5e-2, beta=0.0, disable_tqdm=True, num_frames=5,
+                            sde_window_size=1, sde_window_range=4, save_steps=4)
+    FlowGRPOTrainer(config, tiny_wan22_pipeline(), [video_or_image_brightness], train_dataset=PROMPTS).train()
+
+
+def test_both_experts_train_under_ddp_with_two_processes(tmp_path):
+    """Each step runs one expert, so DDP must look for unused parameters (the adapter's partial_forward): without
+    it the second iteration fails ("Expected to have finished reduction in the prior iteration")."""
+    import socket
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from trl_flow.models import wan22
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", ACCELERATE_USE_CPU="1")
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), here, env.get("PYTHONPATH", "")])
+    out = tmp_path / "ddp"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(port), os.path.abspath(__file__), str(out)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in wan22.LORA_FILES.values():  # lora_B starts at 0: each expert was trained in some iteration
+        sd = load_file(str(out / "checkpoint-4" / name))
+        assert max(float(v.abs().max()) for k, v in sd.items() if "lora_B" in k) > 0, name
+
+
 # ------------------------------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("form,overrides,match", [
     ("5b", {"experts": "high_noise"}, "experts='high_noise': this WanPipeline has one transformer"),
@@ -360,3 +400,10 @@ def test_recipe_settings_train_on_the_tiny_pipeline(tmp_path, recipe, form):
     for name in trainer.adapter.trained_components():
         adapted = {n.rsplit(".lora_", 1)[0] for n, _ in getattr(trainer.pipe, name).named_parameters() if ".lora_" in n}
         assert all(any(a.endswith(t) for a in adapted) for t in targets), (name, targets)
+
+
+if __name__ == "__main__":  # the 2-process worker of test_both_experts_train_under_ddp_with_two_processes
+    import sys
+
+    torch.set_num_threads(1)
+    _ddp_run(sys.argv[1])

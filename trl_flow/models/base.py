@@ -97,6 +97,9 @@ class FlowAdapter:
     pipeline_class = None
     #: The Hub ``pipeline_tag`` of a model trained on this family (read by the model card).
     pipeline_tag = "text-to-image"
+    #: True when one :meth:`velocity` call runs only a part of :meth:`trainable_module` (Wan2.2's two trained
+    #: experts, one per step): multi-process DDP then looks for unused parameters.
+    partial_forward = False
 
     def __init__(self, pipe):
         self.pipe = pipe

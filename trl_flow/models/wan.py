@@ -145,6 +145,11 @@ class WanAdapter(FlowAdapter):
             self._experts_module = wan22.WanExperts({n: getattr(self.pipe, n) for n in self.trained_components()})
         return self._experts_module
 
+    @property
+    def partial_forward(self) -> bool:
+        """Both experts trained: each step's forward pass runs one of them."""
+        return self.two_experts and self.experts == "all"
+
     def trainable_steps(self, schedule: Schedule):
         """(K,) bool: the steps served by a trained expert (None with one transformer, or both experts trained)."""
         if not self.two_experts or self.experts == "all":

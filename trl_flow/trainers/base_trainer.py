@@ -79,7 +79,8 @@ class FlowRLTrainer:
                 "(VAE scale factor x transformer patch size) for this pipeline"
             )
         self.adapter.check_size(config.height, config.width)
-        self.accelerator = distributed.make_accelerator(config)  # what the launch asked for, or an error
+        self.accelerator = distributed.make_accelerator(  # what the launch asked for, or an error
+            config, find_unused_parameters=self.adapter.partial_forward)
         guards.check_launch(self.accelerator)
         guards.check_batch(config, self.accelerator.num_processes)
         if config.push_to_hub:  # fail now, not after training, when the Hub cannot be reached

@@ -68,17 +68,20 @@ def _check_request_before(want: str | None) -> None:
             "config does), or use multi_gpu (DDP)")
 
 
-def make_accelerator(config):
-    """The run's ``Accelerator``: what the launch asked for, or :class:`DistributedSetupError`."""
+def make_accelerator(config, find_unused_parameters: bool = False):
+    """The run's ``Accelerator``: what the launch asked for, or :class:`DistributedSetupError`.
+    ``find_unused_parameters``: DDP's, for a trained module of which one forward pass uses only a part
+    (:attr:`~trl_flow.models.FlowAdapter.partial_forward`)."""
     from accelerate import Accelerator
-    from accelerate.utils import DistributedType, InitProcessGroupKwargs
+    from accelerate.utils import DistributedDataParallelKwargs, DistributedType, InitProcessGroupKwargs
 
     want = requested()
     _check_request_before(want)
     mp = "bf16" if config.bf16 else "fp16" if config.fp16 else "no"
     timeout = timedelta(seconds=config.ddp_timeout)
     acc = Accelerator(mixed_precision=mp, log_with=config.report_to or None, project_dir=config.output_dir,
-                      kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)])
+                      kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)]
+                      + ([DistributedDataParallelKwargs(find_unused_parameters=True)] if find_unused_parameters else []))
     _apply_timeout(timeout)
     got = acc.distributed_type
     if want == "FSDP" and got == DistributedType.MULTI_CPU:
