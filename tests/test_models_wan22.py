@@ -221,6 +221,30 @@ def test_frozen_experts_steps_are_deterministic_and_untrained(tmp_path):
     assert rollout.trained_steps()  # the low-noise steps (but the last) are trained
 
 
+def test_full_finetune_of_one_expert(tmp_path):
+    """finetune='full', experts='high_noise', beta > 0: the frozen reference copy holds the trained expert only;
+    the high-noise expert's weights move, the low-noise expert's do not; save_model writes the whole pipeline."""
+    from diffusers import WanPipeline
+
+    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
+
+    pipe = make_pipe("a14b")
+    before = {n: _weights(getattr(pipe, n)) for n in ("transformer", "transformer_2")}
+    config = wan22_config(FlowGRPOConfig, tmp_path, "a14b", finetune="full", experts="high_noise",
+                          num_inference_steps=6, max_steps=1, learning_rate=1e-3)
+    trainer = FlowGRPOTrainer(config, pipe, [video_or_image_brightness], train_dataset=PROMPTS)
+    assert trainer.ref_model.names == ("transformer",)
+    assert {id(p) for p in trainer.trainable_params} == {id(p) for p in pipe.transformer.parameters()}
+    trainer.train()
+    assert _changed(before["transformer"], pipe.transformer)
+    assert not _changed(before["transformer_2"], pipe.transformer_2)
+    out = trainer.save_model(str(tmp_path / "final"))
+    saved = WanPipeline.from_pretrained(out)
+    for name in ("transformer", "transformer_2"):
+        want = getattr(pipe, name).state_dict()
+        assert all(torch.equal(v, want[k]) for k, v in getattr(saved, name).state_dict().items()), name
+
+
 # ---------------------------------------------------------------------------------------------- LoRA round trip
 @pytest.mark.parametrize("form,experts", [("a14b", "all"), ("a14b", "low_noise"), ("5b", "all")])
 def test_lora_round_trips_through_pipeline_loader(tmp_path, form, experts):
@@ -236,6 +260,11 @@ def test_lora_round_trips_through_pipeline_loader(tmp_path, form, experts):
     names = trainer.adapter.lora_weight_names()
     assert sorted(n for n in os.listdir(out) if n.endswith(".safetensors")) == sorted(names)
     assert len(names) == len(trainer.adapter.trained_components())
+    from trl_flow.hub import upload_patterns
+    from trl_flow.trainers.output_dir import earlier_outputs
+
+    assert set(names) <= set(upload_patterns(trainer, False))  # a push uploads every expert's file
+    assert set(names) <= set(earlier_outputs(out, "another-run"))  # and a new run refuses a folder holding them
     fresh = make_pipe(form)
     get_adapter(fresh)  # the same scheduler swap the trained pipeline got
     H, W = SIZES[form]
