@@ -150,6 +150,31 @@ def test_mixed_batch_routes_each_sample_to_its_expert():
     assert not torch.allclose(both[1], low_as_high[0])
 
 
+@pytest.mark.parametrize("form", FORMS)
+def test_load_pipeline_round_trip(tmp_path, form):
+    """save_pretrained -> load_pipeline keeps the Wan2.2 form (both experts and boundary_ratio, or
+    expand_timesteps): the loaded pipeline's adapter samples exactly as the original's."""
+    from trl_flow.models import get_adapter, load_pipeline
+    from trl_flow.rollout import sample_trajectories
+
+    H, W = SIZES[form]
+    pipes = [make_pipe(form)]
+    pipes[0].save_pretrained(tmp_path / "pipe")
+    pipes.append(load_pipeline(str(tmp_path / "pipe")))
+    finals = []
+    for pipe in pipes:
+        adapter = get_adapter(pipe, num_frames=5)
+        assert adapter.two_experts == (form == "a14b")
+        assert bool(pipe.config.get("expand_timesteps")) == (form == "5b")
+        with torch.no_grad():
+            embeds = adapter.encode_prompts(PROMPTS[:2], True, MAX_SEQ)
+        noise = adapter.initial_noise(2, H, W, torch.Generator().manual_seed(0))
+        traj = sample_trajectories(adapter, adapter.trainable_module(), embeds, noise, adapter.schedule(4, H, W),
+                                   ["ode"] * 4, 0.0, 4.0, batch_size=2)
+        finals.append(traj["states"][:, -1])
+    assert torch.equal(finals[0], finals[1])
+
+
 # ---------------------------------------------------------------------------------------------- every trainer
 def _weights(module):
     return {n: p.detach().clone() for n, p in module.named_parameters()}
