@@ -416,7 +416,7 @@ def test_bad_config_fails_before_compute(tmp_path, form, overrides, match):
     assert calls == []
 
 
-def test_bad_values_are_refused_by_the_config_and_the_adapter():
+def test_bad_values_are_refused_by_the_config_and_the_adapter(tmp_path):
     from trl_flow import FlowGRPOConfig
     from trl_flow.models import WanAdapter
 
@@ -424,6 +424,15 @@ def test_bad_values_are_refused_by_the_config_and_the_adapter():
         FlowGRPOConfig(experts="both")
     with pytest.raises(ValueError, match="guidance_scale_2=-1"):
         FlowGRPOConfig(guidance_scale_2=-1.0)
+    from trl_flow import FlowGRPOTrainer
+
+    adapter = WanAdapter(tiny_wan22_pipeline(), experts="high_noise")  # a configured adapter keeps its choice
+    trainer = FlowGRPOTrainer(FlowGRPOConfig(output_dir=str(tmp_path / "a"), height=32, width=32, num_frames=5,
+                                             num_inference_steps=6, max_sequence_length=MAX_SEQ, disable_tqdm=True),
+                              adapter, [video_or_image_brightness], train_dataset=PROMPTS)
+    assert trainer.adapter.trained_components() == ("transformer",)
+    with pytest.raises(ValueError, match="experts='low_noise' in the config, but the WanAdapter was built with"):
+        adapter.configure(FlowGRPOConfig(experts="low_noise", num_frames=5))
     pipe = tiny_wan22_pipeline()
     pipe.transformer_2 = None
     with pytest.raises(ValueError, match="boundary_ratio is set but transformer_2 is None"):

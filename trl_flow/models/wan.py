@@ -52,7 +52,8 @@ class WanAdapter(FlowAdapter):
 
     * two experts (``transformer_2`` and ``boundary_ratio``, A14B): ``transformer`` serves the steps with
       ``t >= boundary_ratio * num_train_timesteps`` with ``guidance_scale``, ``transformer_2`` the others with
-      ``guidance_scale_2`` (None: ``guidance_scale``). ``experts`` (``all`` | ``high_noise`` | ``low_noise``) says
+      ``guidance_scale_2`` (None: ``guidance_scale``); classifier-free guidance is on for both iff
+      ``guidance_scale > 1`` (the pipeline's rule). ``experts`` (``all`` | ``high_noise`` | ``low_noise``) says
       which are trained; the trainer trains :meth:`trainable_module` (a :class:`~trl_flow.models.wan22.WanExperts`),
       an expert left out stays frozen and its steps are sampled with the ODE kernel (:meth:`trainable_steps`). The
       reference policy is each trained expert with its LoRA disabled (or its frozen copy) and the frozen expert
@@ -68,7 +69,7 @@ class WanAdapter(FlowAdapter):
     pipeline_tag = "text-to-video"
 
     def __init__(self, pipe, num_frames: int = 33, negative_prompt: str = "", guidance_scale_2: float | None = None,
-                 experts: str = "all"):
+                 experts: str | None = None):
         super().__init__(pipe)
         if pipe.transformer is None:
             raise ValueError("pipe: the WanPipeline has no transformer")
@@ -80,7 +81,8 @@ class WanAdapter(FlowAdapter):
         self.num_frames = _check_num_frames(num_frames, pipe.vae_scale_factor_temporal)
         self.negative_prompt = negative_prompt
         self.guidance_scale_2 = _check_guidance_scale_2(guidance_scale_2, two)
-        self.experts = self._check_experts(experts)
+        self._experts_option = experts  # None: the trainer config's `experts`
+        self.experts = self._check_experts("all" if experts is None else experts)
         self._experts_module = None
         self._ensure_flow_match_scheduler()
 
@@ -113,7 +115,11 @@ class WanAdapter(FlowAdapter):
         self.num_frames = _check_num_frames(config.num_frames, self.pipe.vae_scale_factor_temporal)
         gs2 = getattr(config, "guidance_scale_2", None)
         self.guidance_scale_2 = _check_guidance_scale_2(gs2, self.two_experts) if gs2 is not None else self.guidance_scale_2
-        self.experts = self._check_experts(getattr(config, "experts", "all"))
+        experts = getattr(config, "experts", "all")
+        if self._experts_option is not None and experts not in ("all", self._experts_option):
+            raise ValueError(f"experts={experts!r} in the config, but the WanAdapter was built with "
+                             f"experts={self._experts_option!r}; set it in one place")
+        self.experts = self._check_experts(self._experts_option if self._experts_option is not None else experts)
         self._experts_module = None
         if self.two_experts and self.experts != "all":  # a stochastic step must be served by a trained expert
             mask = self.trainable_steps(self.schedule(config.num_inference_steps, config.height, config.width))
