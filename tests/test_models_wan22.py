@@ -270,6 +270,20 @@ def test_full_finetune_of_one_expert(tmp_path):
         assert all(torch.equal(v, want[k]) for k, v in getattr(saved, name).state_dict().items()), name
 
 
+@pytest.mark.parametrize("experts,float32", [("low_noise", ("transformer_2",)), ("all", ("transformer", "transformer_2"))])
+def test_bf16_full_finetune_keeps_the_trained_experts_in_float32(tmp_path, experts, float32):
+    """Mixed precision: the trained expert(s) keep float32 weights, a frozen expert is cast to bf16 like the other
+    frozen components."""
+    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
+
+    config = wan22_config(FlowGRPOConfig, tmp_path, "a14b", finetune="full", experts=experts, bf16=True,
+                          num_inference_steps=6)
+    trainer = FlowGRPOTrainer(config, make_pipe("a14b"), [video_or_image_brightness], train_dataset=PROMPTS)
+    for name in ("transformer", "transformer_2"):
+        want = torch.float32 if name in float32 else torch.bfloat16
+        assert {p.dtype for p in getattr(trainer.pipe, name).parameters()} == {want}, name
+
+
 # ---------------------------------------------------------------------------------------------- LoRA round trip
 @pytest.mark.parametrize("form,experts", [("a14b", "all"), ("a14b", "low_noise"), ("5b", "all")])
 def test_lora_round_trips_through_pipeline_loader(tmp_path, form, experts):
