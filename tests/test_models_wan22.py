@@ -31,6 +31,16 @@ def _quiet_scheduler_swap(monkeypatch):
     monkeypatch.setattr(wan, "_SCHEDULER_SWAP_WARNED", True)
 
 
+@pytest.fixture
+def fresh_accelerate_state():
+    """accelerate keeps one AcceleratorState per process and refuses a second mixed-precision setting."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 def wan22_config(config_class, tmp_path, form, **overrides):
     H, W = SIZES[form]
     kwargs = dict(
@@ -271,7 +281,7 @@ def test_full_finetune_of_one_expert(tmp_path):
 
 
 @pytest.mark.parametrize("experts,float32", [("low_noise", ("transformer_2",)), ("all", ("transformer", "transformer_2"))])
-def test_bf16_full_finetune_keeps_the_trained_experts_in_float32(tmp_path, experts, float32):
+def test_bf16_full_finetune_keeps_the_trained_experts_in_float32(tmp_path, experts, float32, fresh_accelerate_state):
     """Mixed precision: the trained expert(s) keep float32 weights, a frozen expert is cast to bf16 like the other
     frozen components."""
     from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
