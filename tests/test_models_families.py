@@ -12,7 +12,7 @@ import torch
 from conftest import HEIGHT, MAX_SEQ, PROMPTS, WIDTH
 
 import trl_flow
-from trl_flow.testing import tiny_flux_pipeline, tiny_wan_pipeline
+from trl_flow.testing import tiny_flux_pipeline, tiny_sd3_pipeline, tiny_wan_pipeline
 
 FAMILIES = ("flux", "wan")
 
@@ -336,3 +336,24 @@ def test_load_pipeline_passes_the_dtype_without_a_deprecation_warning(tmp_path):
         pipe = load_pipeline(str(tmp_path / "pipe"), "bfloat16")
     assert [str(w.message) for w in caught if "torch_dtype" in str(w.message)] == []
     assert pipe.transformer.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+@pytest.mark.parametrize("field,value", [("experts", "high_noise"), ("guidance_scale_2", 3.0)])
+def test_wan22_fields_are_refused_by_other_families(tmp_path, family, field, value):
+    """`experts` / `guidance_scale_2` only mean something for Wan2.2-A14B: elsewhere they are refused, not ignored."""
+    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
+
+    calls = []
+
+    def reward(images, prompts, **kw):
+        calls.append(1)
+        return images.mean(dim=tuple(range(1, images.ndim)))
+
+    pipe = {"sd3": tiny_sd3_pipeline, "flux": tiny_flux_pipeline}[family]()
+    config = FlowGRPOConfig(output_dir=str(tmp_path), max_steps=1, num_generations=2, prompts_per_step=1,
+                            height=32, width=32, num_inference_steps=2, per_device_train_batch_size=2,
+                            max_sequence_length=16, **{field: value})
+    with pytest.raises(ValueError, match=f"{field}=.*does not read it"):
+        FlowGRPOTrainer(config, pipe, [reward], train_dataset=["a cat"])
+    assert calls == []

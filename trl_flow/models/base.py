@@ -100,6 +100,9 @@ class FlowAdapter:
     #: True when one :meth:`velocity` call runs only a part of :meth:`trainable_module` (Wan2.2's two trained
     #: experts, one per step): multi-process DDP then looks for unused parameters.
     partial_forward = False
+    #: Family-specific config fields this adapter reads (``experts``, ``guidance_scale_2``): the trainer refuses a
+    #: non-default value of one it does not read, naming the field, before any compute.
+    reads_config_fields: tuple[str, ...] = ()
 
     def __init__(self, pipe):
         self.pipe = pipe

@@ -63,6 +63,8 @@ class WanAdapter(FlowAdapter):
       as the pipeline builds it; the Wan2.2 VAE compresses space by 16 (latents (48, F', H / 16, W / 16)).
     """
 
+    reads_config_fields = ("experts", "guidance_scale_2")
+
     #: Wan's attention projections: ``to_q/k/v/to_out.0`` of both the self-attention (``attn1``) and the text
     #: cross-attention (``attn2``) of every block (Flow-GRPO's Wan targets).
     default_lora_target_modules = ("to_q", "to_k", "to_v", "to_out.0")
