@@ -17,6 +17,7 @@ _ADAPTERS: dict[str, type | str] = {
     "Flux2Pipeline": ".flux2:Flux2Adapter",
     "Flux2KleinPipeline": ".flux2:Flux2KleinAdapter",
     "ZImagePipeline": ".zimage:ZImageAdapter",
+    "FluxKontextPipeline": ".flux_kontext:FluxKontextAdapter",
 }
 _entry_points_loaded = False
 

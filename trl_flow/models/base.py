@@ -103,6 +103,13 @@ class FlowAdapter:
     #: Family-specific config fields this adapter reads (``experts``, ``guidance_scale_2``): the trainer refuses a
     #: non-default value of one it does not read, naming the field, before any compute.
     reads_config_fields: tuple[str, ...] = ()
+    #: What conditions a sample: ``"text"`` (the prompt) or ``"text_and_image"`` (an editing family: the prompt
+    #: and a source image). An editing adapter's :meth:`encode_prompts` takes ``images=``, a list of B RGB
+    #: ``PIL.Image`` sources (the dataset's :attr:`source_column`, decoded by :mod:`trl_flow.editing`), and stores
+    #: its image conditioning in the returned dict (tensors with the batch first and a fixed shape, like the text's).
+    conditioning = "text"
+    #: The dataset column holding the source images of an editing adapter.
+    source_column = "source_image"
 
     def __init__(self, pipe):
         self.pipe = pipe

@@ -150,7 +150,8 @@ class RewardModel:
         if images.ndim == 5:  # video: score every frame, average per sample over the frames that got a score
             b, f = images.shape[:2]
             frames = images.reshape(b * f, *images.shape[2:])
-            rep = {k: [v for v in vals for _ in range(f)] for k, vals in columns.items()}
+            rep = {k: vals.repeat_interleave(f, 0) if isinstance(vals, torch.Tensor) else [v for v in vals for _ in range(f)]
+                   for k, vals in columns.items()}
             scores = self._score_all(components, frames, [p for p in prompts for _ in range(f)], rep)
             out = []
             for i in range(b):
@@ -163,7 +164,7 @@ class RewardModel:
         out: list[float | None] = []
         for lo in range(0, len(prompts), self.batch_size):
             hi = lo + self.batch_size
-            cols = {k: list(v[lo:hi]) for k, v in columns.items()}
+            cols = {k: v[lo:hi] if isinstance(v, torch.Tensor) else list(v[lo:hi]) for k, v in columns.items()}
             out.extend(self.score_batch(components, images[lo:hi], prompts[lo:hi], cols))
         return out
 

@@ -107,6 +107,12 @@ def _is_number(v) -> bool:
     return isinstance(v, numbers.Real)
 
 
+def _copy_columns(columns: dict) -> dict:
+    """A copy per reward call: lists stay lists, tensors (an editing run's ``source_image`` (B, 3, H, W)) stay
+    tensors."""
+    return {k: v.clone() if isinstance(v, torch.Tensor) else list(v) for k, v in columns.items()}
+
+
 def compute_rewards(
     reward_funcs: list[RewardFunc],
     names: list[str],
@@ -127,8 +133,7 @@ def compute_rewards(
     per_func = {}
     for func, name in zip(reward_funcs, names):
         try:
-            out = call_with_timeout(func, (images.clone(), list(prompts)), {k: list(v) for k, v in columns.items()},
-                                    timeout)
+            out = call_with_timeout(func, (images.clone(), list(prompts)), _copy_columns(columns), timeout)
         except CallTimeout:
             raise RewardError(
                 f"reward function {name!r} did not return within reward_timeout={timeout:g} s (the call is left "

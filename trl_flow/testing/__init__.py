@@ -229,6 +229,7 @@ _FAMILY_BUILDERS = {
     "tiny_wan22_pipeline": "wan22",
     "tiny_wan22_5b_pipeline": "wan22",
     "tiny_zimage_pipeline": "zimage",
+    "tiny_flux_kontext_pipeline": "flux_kontext",
 }
 
 

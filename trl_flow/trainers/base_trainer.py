@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import editing
 from ..data import check_prompt_dataset, prompt_indices
 from ..kernels import gaussian_kl, kernel_mean_std, reference_kl, sde_step
 from ..models import cat_embeds, get_adapter, index_embeds
@@ -74,6 +75,8 @@ class FlowRLTrainer:
                 raise ValueError(f"{name}={getattr(config, name)!r}: {type(self.adapter).__name__} does not read it "
                                  f"(only Wan2.2-A14B's two experts do); remove it or set it to {default!r}")
         self.adapter.configure(config)
+        for ds, ds_name in ((self.train_dataset, "train_dataset"), (self.eval_dataset, "eval_dataset")):
+            editing.check_dataset_for(self.adapter, ds, ds_name)  # source images (editing) or none: see editing.py
         self.pipe = self.adapter.pipe
         model_setup.check_no_adapters(self)
         factor = self.adapter.resolution_multiple
@@ -118,6 +121,7 @@ class FlowRLTrainer:
         for f in self.reward_funcs:  # reward models run on the trainer's device and dtype unless told otherwise
             if callable(getattr(f, "prepare", None)):
                 f.prepare(self.device, dtype)
+        rows = editing.reward_columns(self.adapter, rows, self.config.height, self.config.width)
         compute_rewards(self.reward_funcs, self.reward_names, self.reward_weights, images, prompts, rows)
 
     def _setup_model(self):
@@ -156,15 +160,21 @@ class FlowRLTrainer:
         return self.accelerator.autocast() if self.weight_dtype != torch.float32 else contextlib.nullcontext()
 
     @torch.no_grad()
-    def encode(self, prompts: list[str], guidance_scale: float):
+    def encode(self, prompts: list[str], guidance_scale: float, columns: dict | None = None):
         """Prompt embeddings, encoded in chunks of ``per_device_train_batch_size`` (the sampling chunks): a
-        prompt's embedding does not depend on how many prompts this process holds."""
+        prompt's embedding does not depend on how many prompts this process holds. An editing adapter
+        (``conditioning="text_and_image"``) also gets each chunk's decoded source images from ``columns``."""
         self._long_prompts.check(prompts)
         bs = self.config.per_device_train_batch_size
+
+        def chunk(i):
+            images = editing.adapter_images(self.adapter, {k: v[i : i + bs] for k, v in (columns or {}).items()})
+            extra = {} if images is None else {"images": images}
+            return self.adapter.encode_prompts(prompts[i : i + bs], guidance_scale > 1,
+                                               self.config.max_sequence_length, **extra)
+
         with self._autocast(), self.offloader.use("text_encoder"), self._long_prompts.silence_pipeline():
-            return cat_embeds([self.adapter.encode_prompts(prompts[i : i + bs], guidance_scale > 1,
-                                                           self.config.max_sequence_length)
-                               for i in range(0, len(prompts), bs)])
+            return cat_embeds([chunk(i) for i in range(0, len(prompts), bs)])
 
     def sample_prompts(self, step: int) -> tuple[list[str], dict[str, list], torch.Tensor]:
         """This iteration's samples on this process: prompts, other columns and global group ids (each of N)."""
@@ -188,7 +198,7 @@ class FlowRLTrainer:
         iteration over all processes (default: this process's slice), which seed their SDE noise."""
         cfg = self.config
         K = cfg.num_inference_steps
-        embeds = self.encode(prompts, cfg.guidance_scale)
+        embeds = self.encode(prompts, cfg.guidance_scale, columns)
         schedule = self.adapter.schedule(K, cfg.height, cfg.width)
         if noise is None and start_states is None:
             noise = self.initial_noise(step)
@@ -269,9 +279,11 @@ class FlowRLTrainer:
         """Every reward on ``images`` (B, 3, H, W), in calls of ``per_device_reward_batch_size`` images (default:
         all), each within ``reward_timeout`` seconds. Returns the combined (B,) rewards and each reward's (B,)."""
         bs = self.config.per_device_reward_batch_size or len(prompts)
+        cfg = self.config
         parts = [compute_rewards(self.reward_funcs, self.reward_names, self.reward_weights, images[lo : lo + bs],
-                                 prompts[lo : lo + bs], {k: v[lo : lo + bs] for k, v in columns.items()},
-                                 timeout=self.config.reward_timeout)
+                                 prompts[lo : lo + bs], editing.reward_columns(
+                                     self.adapter, {k: v[lo : lo + bs] for k, v in columns.items()}, cfg.height,
+                                     cfg.width), timeout=cfg.reward_timeout)
                  for lo in range(0, len(prompts), max(bs, 1))]
         if len(parts) == 1:
             return parts[0]
@@ -496,11 +508,12 @@ class FlowRLTrainer:
             self.ema.restore(self.trainable_params)
 
     @torch.no_grad()
-    def _ode_trajectories(self, prompts: list[str], seed: int, num_inference_steps: int, guidance_scale: float):
+    def _ode_trajectories(self, prompts: list[str], seed: int, num_inference_steps: int, guidance_scale: float,
+                          columns: dict | None = None):
         """Deterministic trajectories of the current policy from noise seeded by ``seed``."""
         cfg = self.config
         noise = self.adapter.initial_noise(len(prompts), cfg.height, cfg.width, torch.Generator().manual_seed(seed))
-        embeds = self.encode(prompts, guidance_scale)
+        embeds = self.encode(prompts, guidance_scale, columns)
         schedule = self.adapter.schedule(num_inference_steps, cfg.height, cfg.width)
         self.model.eval()
         traj = sample_trajectories(self.adapter, self.model, embeds, noise.to(self.device), schedule,
@@ -510,19 +523,20 @@ class FlowRLTrainer:
 
     @torch.no_grad()
     def generate(self, prompts: list[str], seed: int = 0, num_inference_steps: int | None = None,
-                 guidance_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Deterministic (ODE) samples of the current policy: images (B, 3, H, W) in [0, 1] and latents."""
+                 guidance_scale: float | None = None, columns: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Deterministic (ODE) samples of the current policy: images (B, 3, H, W) in [0, 1] and latents.
+        ``columns``: the prompts' dataset columns (an editing pipeline reads its source images there)."""
         cfg = self.config
         K = num_inference_steps or cfg.eval_num_inference_steps
         gs = guidance_scale if guidance_scale is not None else (
             cfg.eval_guidance_scale if cfg.eval_guidance_scale is not None else cfg.guidance_scale)
-        states, _, _ = self._ode_trajectories(prompts, seed, K, gs)
+        states, _, _ = self._ode_trajectories(prompts, seed, K, gs, columns)
         latents = states[:, -1]
         return self.decode(latents, cfg.per_device_eval_batch_size), latents
 
     @torch.no_grad()
     def kl_to_reference(self, prompts: list[str], seed: int = 0, sampler: str | None = None,
-                        noise_level: float | None = None) -> torch.Tensor:
+                        noise_level: float | None = None, columns: dict | None = None) -> torch.Tensor:
         """Exact KL of a transition kernel to the reference policy's, along the policy's ODE trajectories.
 
         For each prompt, the policy's deterministic trajectory over the training schedule
@@ -537,7 +551,7 @@ class FlowRLTrainer:
         K = cfg.num_inference_steps
         noise_level = cfg.noise_level if noise_level is None else noise_level
         kinds = step_samplers(sampler or cfg.sampler, K, None)
-        states, embeds, schedule = self._ode_trajectories(prompts, seed, K, cfg.guidance_scale)
+        states, embeds, schedule = self._ode_trajectories(prompts, seed, K, cfg.guidance_scale, columns)
         sig = schedule.sigmas
         total = torch.zeros(len(prompts))
         bs = cfg.per_device_eval_batch_size
@@ -562,6 +576,8 @@ class FlowRLTrainer:
         """ODE samples (``eval_num_inference_steps``) of the eval prompts with a fixed noise seed, scored by every
         reward. Returns ``eval/reward`` and ``eval/<reward name>``; saves a grid to output_dir/samples."""
         ds = check_prompt_dataset(eval_dataset, "eval_dataset") if eval_dataset is not None else self.eval_dataset
+        if eval_dataset is not None:
+            editing.check_dataset_for(self.adapter, ds, "eval_dataset")
         if ds is None:
             raise ValueError("evaluate: no eval_dataset; pass one to the trainer or to evaluate()")
         acc = self.accelerator
@@ -572,7 +588,8 @@ class FlowRLTrainer:
         lo, hi = acc.process_index * per, min(n, (acc.process_index + 1) * per)
         with self.ema_weights():
             gen_seed = self.config.seed + 10_007 * (acc.process_index + 1)
-            images, _ = self.generate(prompts[lo:hi], seed=gen_seed) if hi > lo else (None, None)
+            images, _ = self.generate(prompts[lo:hi], seed=gen_seed, columns={k: v[lo:hi] for k, v in rows.items()}
+                                      ) if hi > lo else (None, None)
         if hi > lo:
             total, per_func = self.reward(images, prompts[lo:hi], {k: v[lo:hi] for k, v in rows.items()})
         else:
