@@ -64,7 +64,7 @@ def prompt_indices(n: int, prompts_per_step: int, step: int, seed: int) -> list[
     return out
 
 
-def load_prompts(source: str, split: str = "train", name: str | None = None):
+def load_prompts(source: str, split: str = "train", name: str | None = None, source_column: str = "source_image"):
     """Prompts as a ``datasets.Dataset`` with a ``prompt`` column, from:
 
     - ``shapes``: the shapes task's prompts, ``split`` ``train`` or ``test``;
@@ -72,7 +72,10 @@ def load_prompts(source: str, split: str = "train", name: str | None = None):
     - a ``.jsonl`` file: one JSON object per line with a string ``prompt``; every other key becomes a column
       (a missing key is ``None``). A key holding only lists / dicts (GenEval's ``include``) becomes a column of
       their JSON text, ``json.loads`` of a value gives back what was written (``load_dataset("json")`` would merge
-      the nested records into one schema, adding ``None`` keys); other keys keep their type;
+      the nested records into one schema, adding ``None`` keys); other keys keep their type. An editing file gives each prompt's source image as a
+      path under ``source_column`` (default ``source_image``), e.g. ``{"prompt": "make the sky red",
+      "source_image": "images/0.png"}``: a relative path is resolved against the file's folder (the trainer checks
+      and decodes the images, :mod:`trl_flow.editing`);
     - a folder written by ``save_to_disk``: a ``Dataset``, or the ``split`` of a ``DatasetDict``;
     - anything else: ``datasets.load_dataset(source, name, split=split)`` (a Hub dataset or a local folder).
 
@@ -93,7 +96,10 @@ def load_prompts(source: str, split: str = "train", name: str | None = None):
     if source.endswith(".txt"):
         return check_prompt_dataset([text.strip() for _, text in _read_lines(source) if text.strip()], source)
     if source.endswith(".jsonl"):
-        return check_prompt_dataset(_read_jsonl(source), source)
+        columns = _read_jsonl(source)
+        if source_column in columns:
+            columns[source_column] = _resolve_paths(source, source_column, columns[source_column])
+        return check_prompt_dataset(columns, source)
     if os.path.isdir(source) and (os.path.exists(os.path.join(source, "dataset_info.json"))
                                   or os.path.exists(os.path.join(source, "dataset_dict.json"))):
         ds = load_from_disk(source)
@@ -180,6 +186,19 @@ def _read_jsonl(source: str) -> dict:
             vals = [None if v is None else json.dumps(v) for v in vals]
         cols[k] = vals
     return cols
+
+
+def _resolve_paths(source: str, key: str, values: list) -> list:
+    """Image paths of a ``.jsonl`` (strings or null) resolved against the file's folder."""
+    import os
+
+    folder = os.path.dirname(os.path.abspath(source))
+    out = []
+    for v in values:
+        if v is not None and not isinstance(v, str):
+            raise ValueError(f"{source}: key `{key}` must hold image paths (strings), got {_kind(v)}")
+        out.append(v if v is None else os.path.normpath(os.path.join(folder, os.path.expanduser(v))))
+    return out
 
 
 def _from_columns(columns: dict, name: str):

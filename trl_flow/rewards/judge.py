@@ -29,6 +29,18 @@ DEFAULT_RUBRIC = (
     "(unrelated or broken) to 10 (perfect). Reply with a short justification, then a last line 'Score: N'.\n"
     "Caption: {prompt}"
 )
+#: A rubric for image edits: with ``source_image`` (an editing run) the judge gets the source image first, then the
+#: edited one, then this text.
+EDIT_RUBRIC = (
+    "You are judging an image edit. The first image is the source, the second the result of the instruction below. "
+    "Rate on a scale from 0 to 10: (a) whether the instruction was carried out completely and correctly (the "
+    "requested objects, colours, positions, text, style), and (b) whether everything the instruction does not ask "
+    "to change is left as in the source (identity, layout, background, lighting), and the result is free of "
+    "artefacts. 0: the instruction is ignored or the image is broken; 5: the edit is done but other parts changed "
+    "noticeably, or it is only partly done; 10: exactly the requested change and nothing else. Reply with a short "
+    "justification, then a last line 'Score: N'.\n"
+    "Instruction: {prompt}"
+)
 _NUMBER = r"(-?\d+(?:\.\d+)?)"
 _DENOMINATOR = re.compile(r"\s*(?:/|\bout of\b|\bof\b)\s*\d+(?:\.\d+)?", re.I)  # "7/10", "7 out of 10"
 
@@ -114,20 +126,22 @@ class VLMJudgeReward:
     def __repr__(self) -> str:
         return f"VLMJudgeReward({self.transport.urls!r}, model={self.model!r}, name={self.__name__!r})"
 
-    def messages(self, image_png_b64: str, prompt: str, row: dict) -> list[dict]:
-        """The chat messages for one sample."""
+    def messages(self, image_png_b64: str, prompt: str, row: dict, source_png_b64: str | None = None) -> list[dict]:
+        """The chat messages for one sample (an editing run's source image, if any, before the generated one)."""
         try:
             text = self.rubric.format(prompt=prompt, **row)
         except KeyError as e:
             raise KeyError(f"judge {self.__name__!r}: rubric placeholder {e} is neither `prompt` nor a dataset column "
                            f"(have {sorted(row)})") from None
-        content = [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image_png_b64}"}},
-                   {"type": "text", "text": text}]
+        content = [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64}"}}
+                   for b64 in ((source_png_b64,) if source_png_b64 else ()) + (image_png_b64,)]
+        content.append({"type": "text", "text": text})
         msgs = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return msgs + [{"role": "user", "content": content}]
 
-    def _ask(self, image, prompt, row) -> tuple[float | None, str | None]:
-        payload = {"model": self.model, "messages": self.messages(image, prompt, row), "max_tokens": self.max_tokens,
+    def _ask(self, image, prompt, row, source=None) -> tuple[float | None, str | None]:
+        payload = {"model": self.model, "messages": self.messages(image, prompt, row, source),
+                   "max_tokens": self.max_tokens,
                    "temperature": self.temperature, **self.extra_body}
         url, answer = self.transport.post(payload)
         try:
@@ -149,9 +163,12 @@ class VLMJudgeReward:
             raise ValueError(f"judge {self.__name__!r} scores images, got video {tuple(images.shape)}; pass one "
                              "frame per sample (e.g. images[:, 0]) or score frames separately")
         encoded = encode_images(images)
+        source = columns.pop("source_image", None)  # an editing run: the judge sees the source first
+        sources = encode_images(check_images(source, len(prompts), f"judge {self.__name__!r} (source_image)")
+                                ) if source is not None else [None] * len(prompts)
         rows = [{k: v[i] for k, v in columns.items()} for i in range(len(prompts))]
         with DaemonPool(min(self.num_workers, max(1, len(prompts))), "trl_flow-judge") as pool:
-            results = pool.map(lambda args: self._ask(*args), zip(encoded, prompts, rows))
+            results = pool.map(lambda args: self._ask(*args), zip(encoded, prompts, rows, sources))
         scores = [s for s, _ in results]
         bad = [t for s, t in results if s is None]
         with self._lock:

@@ -1,0 +1,313 @@
+"""FLUX.1 Kontext (FluxKontextPipeline, image editing) against its own pipeline, and every trainer on it.
+
+Tiny random pipeline (trl_flow.testing.flux_kontext), 32 x 32 px generated and source images (latents (4, 16, 16)),
+``source_size="source"`` (the pipeline's ``_auto_resize=False``; "auto" would encode every source at ~1024 px).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import HEIGHT, MAX_SEQ, WIDTH
+from PIL import Image
+from test_models_families import exported_trainers
+
+from trl_flow.models import get_adapter, load_pipeline
+from trl_flow.models.flux_kontext import FluxKontextAdapter
+from trl_flow.testing import tiny_flux_kontext_pipeline
+
+PROMPTS = ["make it red", "add a dog", "green sky", "no car"]
+
+
+def source(seed, size=(WIDTH, HEIGHT)):
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+
+
+@pytest.fixture
+def edit_dataset(tmp_path):
+    """An editing dataset: prompts and source-image paths (files written in tmp_path)."""
+    from datasets import Dataset
+
+    paths = []
+    for i in range(len(PROMPTS)):
+        paths.append(str(tmp_path / f"src{i}.png"))
+        source(i).save(paths[-1])
+    return Dataset.from_dict({"prompt": PROMPTS, "source_image": paths})
+
+
+def make_adapter(**kwargs):
+    return FluxKontextAdapter(tiny_flux_kontext_pipeline(**kwargs), source_size="source")
+
+
+def brightness(images, prompts, **columns):
+    return images.mean(dim=(1, 2, 3))
+
+
+def kontext_config(config_class, tmp_path, **overrides):
+    kwargs = dict(
+        output_dir=str(tmp_path / "out"), max_steps=2, num_generations=2, prompts_per_step=4,
+        per_device_train_batch_size=4, height=HEIGHT, width=WIDTH, max_sequence_length=MAX_SEQ,
+        num_inference_steps=3, eval_num_inference_steps=3, per_device_eval_batch_size=4, guidance_scale=2.5,
+        lora_r=4, lora_alpha=8, learning_rate=1e-2, clip_range=5e-2, beta=0.01, disable_tqdm=True,
+    )
+    kwargs.update(overrides)
+    return config_class(**kwargs)
+
+
+# ------------------------------------------------------------------------------------------- pipeline parity
+@pytest.mark.parametrize("options,pipe_kwargs", [
+    ({}, {}),  # distilled guidance: one pass per step
+    ({"true_cfg_scale": 2.0, "negative_prompt": "ugly"}, {"true_cfg_scale": 2.0, "negative_prompt": "ugly"}),
+], ids=["kontext", "kontext-true-cfg"])
+def test_ode_rollout_reproduces_pipeline_exactly(options, pipe_kwargs):
+    """Per source image: the `ode` kernel from the adapter's noise ends exactly where
+    pipe(image=..., prompt=..., output_type="latent") ends, with the source's tokens in every transformer call and
+    the same number of passes; decode is exactly the pipeline's output_type="pt" image. Two sources of another
+    size (24 x 40) too: the generated tokens' count, not the source's, sets the schedule."""
+    from trl_flow.rollout import sample_trajectories
+
+    pipe = tiny_flux_kontext_pipeline()
+    adapter = FluxKontextAdapter(pipe, source_size="source", **options)
+    K, g = 3, 2.5
+    passes = []
+    hook = pipe.transformer.register_forward_hook(lambda m, a, kw, o: passes.append(kw["hidden_states"].shape[1]),
+                                                  with_kwargs=True)
+    for i, (prompt, src) in enumerate([(PROMPTS[0], source(0)), (PROMPTS[1], source(1, (40, 24)))]):
+        call = dict(prompt=prompt, image=src, height=HEIGHT, width=WIDTH, max_area=HEIGHT * WIDTH,
+                    _auto_resize=False, num_inference_steps=K, guidance_scale=g, max_sequence_length=MAX_SEQ,
+                    **pipe_kwargs)
+        expected = pipe(generator=torch.Generator().manual_seed(i), output_type="latent", **call).images
+        decoded = pipe(generator=torch.Generator().manual_seed(i), output_type="pt", **call).images
+        pipe_passes, passes[:] = list(passes), []
+        noise = adapter.initial_noise(1, HEIGHT, WIDTH, torch.Generator().manual_seed(i))
+        with torch.no_grad():
+            embeds = adapter.encode_prompts([prompt], False, MAX_SEQ, images=[src])
+        w, h = src.size
+        assert embeds["image"].shape == (1, 4, h // 2, w // 2)
+        traj = sample_trajectories(adapter, pipe.transformer, embeds, noise, adapter.schedule(K, HEIGHT, WIDTH),
+                                   ["ode"] * K, 0.0, g, batch_size=1)
+        final = traj["states"][:, -1]
+        assert torch.equal(adapter.pack(final), expected)
+        with torch.no_grad():
+            assert torch.equal(adapter.decode(final), decoded)
+        tokens = (HEIGHT // 4) * (WIDTH // 4) + (h // 4) * (w // 4)
+        assert passes == pipe_passes[: len(passes)] and set(passes) == {tokens}
+        assert len(passes) == K * (2 if options else 1)
+        passes[:] = []
+    hook.remove()
+
+
+def test_source_changes_the_velocity_and_embeds_index_and_concatenate():
+    """The source is conditioning: another source gives another velocity; a sample's conditioning does not depend
+    on its batch (encoded alone == row of a batch), and the embeddings index / concatenate like the text's."""
+    from trl_flow.models import cat_embeds, index_embeds
+
+    adapter = make_adapter()
+    srcs = [source(0), source(1)]
+    with torch.no_grad():
+        both = adapter.encode_prompts(PROMPTS[:2], False, MAX_SEQ, images=srcs)
+        one = adapter.encode_prompts(PROMPTS[1:2], False, MAX_SEQ, images=srcs[1:])
+        x = adapter.initial_noise(1, HEIGHT, WIDTH, torch.Generator().manual_seed(0)).repeat(2, 1, 1, 1)
+        t = adapter.schedule(3, HEIGHT, WIDTH).timesteps[1]
+        swapped = dict(both, image=both["image"].flip(0))
+        v, v_swapped = (adapter.velocity(adapter.transformer, x, t, e, 2.5) for e in (both, swapped))
+    assert torch.equal(index_embeds(both, [1])["image"], one["image"])
+    assert torch.equal(cat_embeds([index_embeds(both, [0]), one])["image"], both["image"])
+    assert not torch.allclose(v, v_swapped)
+
+
+def test_sources_of_mixed_sizes_and_missing_images_are_refused():
+    adapter = make_adapter()
+    with pytest.raises(ValueError, match=r"mixes conditioning sizes \[\(24, 40\), \(32, 32\)\]"):
+        adapter.encode_prompts(PROMPTS[:2], False, MAX_SEQ, images=[source(0), source(1, (40, 24))])
+    with pytest.raises(ValueError, match="needs images= with one source image per prompt"):
+        adapter.encode_prompts(PROMPTS[:2], False, MAX_SEQ)
+    with pytest.raises(ValueError, match="source_size='big'"):
+        FluxKontextAdapter(tiny_flux_kontext_pipeline(), source_size="big")
+
+
+def test_auto_source_size_is_the_pipelines_preferred_resolution():
+    """source_size="auto" picks the preferred Kontext resolution nearest the source's aspect ratio, as the
+    pipeline's _auto_resize does; "source" keeps the size, rounded down to a multiple of 4 (2x VAE, 2x2 packing)."""
+    pipe = tiny_flux_kontext_pipeline()
+    auto, keep = FluxKontextAdapter(pipe), FluxKontextAdapter(pipe, source_size="source")
+    assert auto.source_size_of(source(0, (64, 64))) == (1024, 1024)
+    assert auto.source_size_of(source(0, (150, 64))) == (672, 1568)  # (height, width)
+    assert keep.source_size_of(source(0, (43, 30))) == (28, 40)
+    assert get_adapter(pipe).source_size == "auto" and get_adapter(pipe).conditioning == "text_and_image"
+
+
+# ---------------------------------------------------------------------------------------- every trainer
+@pytest.mark.parametrize("trainer_class", exported_trainers(), ids=lambda c: c.__name__)
+def test_every_trainer_trains_on_flux_kontext(tmp_path, edit_dataset, trainer_class):
+    """Two iterations on an editing dataset (paths): losses finite, the LoRA moves; every reward call gets the
+    images and the decoded sources (B, 3, H, W) float32 at the generated size, matching the prompts' rows."""
+    from trl_flow.editing import load_source, source_tensor
+
+    expected = {p: source_tensor([load_source(s, 0, "source_image")], HEIGHT, WIDTH)[0]
+                for p, s in zip(edit_dataset["prompt"], edit_dataset["source_image"])}
+    seen = []
+
+    def reward(images, prompts, source_image=None, **columns):
+        assert source_image.dtype == torch.float32 and source_image.shape == images.shape
+        assert all(torch.equal(source_image[i], expected[p]) for i, p in enumerate(prompts))
+        seen.append(len(prompts))
+        return 1 - (images - source_image).abs().mean(dim=(1, 2, 3))
+
+    config = kontext_config(trainer_class.config_class, tmp_path)
+    trainer = trainer_class(config, make_adapter(), [reward], train_dataset=edit_dataset)
+    before = [p.detach().clone() for p in trainer.trainable_params]
+    state = trainer.train()
+    assert sum(seen) >= 2 + 2 * 8  # the start-up check, then every sample of both iterations
+    assert len(state.log_history) == 2
+    for entry in state.log_history:
+        assert entry.get("ratio_first_max_dev", 0.0) == 0.0
+        assert torch.isfinite(torch.tensor(entry["loss"])) and entry["nonfinite_skipped"] == 0
+    assert any(not torch.equal(b, p) for b, p in zip(before, trainer.trainable_params))
+
+
+def test_only_the_rows_of_an_iteration_are_decoded(tmp_path, edit_dataset, monkeypatch):
+    """Lazy loading: one iteration of 1 prompt decodes only that prompt's source (not the dataset's 4)."""
+    import trl_flow.editing as editing
+    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
+
+    decoded = []
+    load = editing.load_source
+    config = kontext_config(FlowGRPOConfig, tmp_path, max_steps=1, prompts_per_step=1, num_generations=2,
+                            per_device_train_batch_size=2)
+    trainer = FlowGRPOTrainer(config, make_adapter(), [brightness], train_dataset=edit_dataset)
+    monkeypatch.setattr(editing, "load_source", lambda v, *a, **k: decoded.append(v) or load(v, *a, **k))
+    trainer.train()
+    assert len(set(decoded)) == 1 and decoded[0] in edit_dataset["source_image"]
+
+
+def test_evaluate_and_generate_condition_on_the_eval_sources(tmp_path, edit_dataset):
+    """evaluate() samples each eval prompt with its own source; generate(columns=...) equals it."""
+    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
+
+    config = kontext_config(FlowGRPOConfig, tmp_path, max_steps=1)
+    trainer = FlowGRPOTrainer(config, make_adapter(), [brightness], train_dataset=edit_dataset,
+                              eval_dataset=edit_dataset.select([0, 1]))
+    m = trainer.evaluate()
+    rows = edit_dataset.select([0, 1])[:]
+    images, _ = trainer.generate(rows["prompt"], seed=config.seed + 10_007,
+                                 columns={"source_image": rows["source_image"]})
+    assert torch.equal(images, trainer.last_eval_images) and np.isfinite(m["eval/reward"])
+    swapped, _ = trainer.generate(rows["prompt"], seed=config.seed + 10_007,
+                                  columns={"source_image": rows["source_image"][::-1]})
+    assert not torch.allclose(images, swapped)
+
+
+# ----------------------------------------------------------------------------------- LoRA, resume, loading
+def test_lora_round_trips_through_the_pipeline_loader(tmp_path, edit_dataset):
+    """save_model -> a fresh FluxKontextPipeline's load_lora_weights -> exactly the trained pipeline's edits."""
+    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
+
+    config = kontext_config(FlowGRPOConfig, tmp_path, max_steps=1, beta=0.0)
+    trainer = FlowGRPOTrainer(config, make_adapter(), [brightness], train_dataset=edit_dataset)
+    trainer.train()
+    out = trainer.save_model(str(tmp_path / "final"))
+    fresh = tiny_flux_kontext_pipeline()
+    call = dict(prompt=PROMPTS[:2], image=source(0), height=HEIGHT, width=WIDTH, max_area=HEIGHT * WIDTH,
+                _auto_resize=False, num_inference_steps=3, guidance_scale=2.5, max_sequence_length=MAX_SEQ,
+                output_type="pt")
+
+    def run(pipe):
+        with torch.no_grad():
+            return pipe(generator=torch.Generator().manual_seed(0), **call).images
+
+    base = run(fresh)
+    fresh.load_lora_weights(out)
+    loaded, trained = run(fresh), run(trainer.pipe)
+    assert torch.equal(loaded, trained) and (loaded - base).abs().max() > 1e-4
+    cfg = fresh.transformer.peft_config["default_0"]
+    assert cfg.r == 4 and cfg.lora_alpha == 8 and "ff_context.net.2" in cfg.target_modules
+
+
+def test_resume_repeats_an_uninterrupted_run(tmp_path, edit_dataset):
+    """3 iterations straight == 1, checkpoint, a fresh trainer and pipeline resumed for 2 more: LoRA, EMA and
+    logged values bit for bit (the sources are re-read from the dataset on resume)."""
+    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
+
+    def run(name, max_steps, resume=None, **kw):
+        config = kontext_config(FlowGRPOConfig, tmp_path, output_dir=str(tmp_path / name), max_steps=max_steps,
+                                ema_decay=0.9, prompts_per_step=2, learning_rate=3e-3, **kw)
+        trainer = FlowGRPOTrainer(config, make_adapter(), [brightness], train_dataset=edit_dataset)
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    def lora(trainer):
+        return {n: p.detach().clone() for n, p in trainer.pipe.transformer.named_parameters() if "lora_" in n}
+
+    straight = run("a", 3)
+    run("b", 1, save_steps=1)
+    torch.manual_seed(1234)
+    resumed = run("b", 3, resume=str(tmp_path / "b" / "checkpoint-1"), save_steps=1)
+    assert resumed.state.global_step == 3
+    wa, wb = lora(straight), lora(resumed)
+    assert wa.keys() == wb.keys() and wa and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert all(torch.equal(a, b) for a, b in zip(straight.ema.shadow_params, resumed.ema.shadow_params))
+    keys = ("loss", "reward", "kl", "ratio_max")
+    assert [[e[k] for k in keys] for e in resumed.state.log_history[1:]] == [
+        [e[k] for k in keys] for e in straight.state.log_history[1:]]
+
+
+def test_load_pipeline_round_trip(tmp_path):
+    pipe = tiny_flux_kontext_pipeline()
+    pipe.save_pretrained(tmp_path / "pipe")
+    loaded = load_pipeline(str(tmp_path / "pipe"))
+    assert type(loaded) is type(pipe) and type(get_adapter(loaded)) is FluxKontextAdapter
+    call = dict(prompt=["make it red"], image=source(0), height=HEIGHT, width=WIDTH, max_area=HEIGHT * WIDTH,
+                _auto_resize=False, num_inference_steps=2, max_sequence_length=MAX_SEQ, output_type="latent")
+    # close, not bitwise: a FluxTransformer2DModel reloaded from safetensors differs by ~5e-7 in its output (the
+    # plain FLUX.1 transformer too; every state-dict tensor is equal)
+    torch.testing.assert_close(pipe(generator=torch.Generator().manual_seed(0), **call).images,
+                               loaded(generator=torch.Generator().manual_seed(0), **call).images, rtol=0, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+@pytest.mark.parametrize("bad,match", [
+    ("missing", r"train_dataset: row 2, column `source_image`: image file '.*nope.png' not found"),
+    ("garbage", r"train_dataset: row 2, column `source_image`: '.*bad.png' is not a readable image"),
+    ("none", r"train_dataset: row 2, column `source_image`: no source image \(None\)"),
+    ("no_column", r"train_dataset: no `source_image` column"),
+])
+def test_bad_source_images_are_refused_before_any_compute(tmp_path, edit_dataset, bad, match):
+    """A missing / unreadable / absent source image: one line naming the row and the column, raised when the
+    trainer is built, before the transformer or any reward runs."""
+    from datasets import Dataset
+
+    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
+
+    rows = edit_dataset.to_dict()
+    if bad == "missing":
+        rows["source_image"][2] = str(tmp_path / "nope.png")
+    elif bad == "garbage":
+        (tmp_path / "bad.png").write_bytes(b"not an image")
+        rows["source_image"][2] = str(tmp_path / "bad.png")
+    elif bad == "none":
+        rows["source_image"][2] = None
+    else:
+        del rows["source_image"]
+    calls = []
+    adapter = make_adapter()
+    hook = adapter.transformer.register_forward_hook(lambda *a: calls.append("transformer"))
+    with pytest.raises(ValueError, match=match) as e:
+        FlowGRPOTrainer(kontext_config(FlowGRPOConfig, tmp_path), adapter,
+                        [lambda im, p, **k: calls.append("reward") or [0.0] * len(p)],
+                        train_dataset=Dataset.from_dict(rows))
+    hook.remove()
+    assert calls == [] and "\n" not in str(e.value)
+
+
+def test_recipe_is_flux1_kontext_dev():
+    import os
+
+    import yaml
+
+    path = os.path.join(os.path.dirname(__file__), "..", "trl_flow", "recipes", "flux1_kontext_flow_grpo.yaml")
+    with open(path) as f:
+        recipe = yaml.safe_load(f)
+    assert recipe["model_name_or_path"] == "black-forest-labs/FLUX.1-Kontext-dev"
