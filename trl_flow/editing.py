@@ -108,11 +108,14 @@ def load_source(value, row: int, column: str, name: str = "train_dataset"):
     a = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
     if a.ndim == 3 and a.shape[0] == 3 and a.shape[-1] != 3:
         a = a.transpose(1, 2, 0)
-    if a.dtype != np.uint8:
-        if not np.issubdtype(a.dtype, np.floating) or not np.isfinite(a).all() or a.min() < 0 or a.max() > 1:
-            raise ValueError(f"{where}: an image array must be uint8 in [0, 255] or float in [0, 1], got {a.dtype} "
-                             f"in [{a.min()}, {a.max()}]")
-        a = np.round(a * 255).astype(np.uint8)
+    integer = np.issubdtype(a.dtype, np.integer) or a.dtype == bool
+    if a.dtype != np.uint8:  # integers in [0, 255] (a datasets column of arrays holds int64 lists) or floats in [0, 1]
+        hi = 255 if integer else 1
+        if not (integer or np.issubdtype(a.dtype, np.floating)) or not np.isfinite(a).all() or a.min() < 0 \
+                or a.max() > hi:
+            raise ValueError(f"{where}: an image array must be integers in [0, 255] or floats in [0, 1], got "
+                             f"{a.dtype} in [{a.min()}, {a.max()}]")
+        a = a.astype(np.uint8) if integer else np.round(a * 255).astype(np.uint8)
     return Image.fromarray(a).convert("RGB")
 
 
