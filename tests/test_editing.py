@@ -237,3 +237,13 @@ def test_vlm_judge_sends_the_source_before_the_edit():
     assert content[0]["image_url"]["url"].endswith(encode_images(sources[:1])[0])
     assert content[1]["image_url"]["url"].endswith(encode_images(images[:1])[0])
     assert content[2]["text"].endswith("Instruction: make it red")
+
+
+def test_docs_quote_the_edit_rubric():
+    import os
+
+    from trl_flow.rewards import EDIT_RUBRIC
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "rewards.md")) as f:
+        quoted = " ".join(line[2:] for line in f.read().splitlines() if line.startswith("> "))
+    assert " ".join(EDIT_RUBRIC.replace("\n", " ").split()) in " ".join(quoted.split())
