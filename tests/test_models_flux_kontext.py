@@ -311,3 +311,23 @@ def test_recipe_is_flux1_kontext_dev():
     with open(path) as f:
         recipe = yaml.safe_load(f)
     assert recipe["model_name_or_path"] == "black-forest-labs/FLUX.1-Kontext-dev"
+
+
+def test_sources_of_different_conditioning_sizes_are_refused_at_set_up(tmp_path, edit_dataset):
+    """Rows whose sources would be encoded at different sizes cannot share a batch: refused when the trainer is
+    built, naming both rows and sizes (under "auto" only a different aspect-ratio class counts)."""
+    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
+
+    source(9, (40, 24)).save(tmp_path / "wide.png")
+    rows = edit_dataset.to_dict()
+    rows["source_image"][3] = str(tmp_path / "wide.png")
+    from datasets import Dataset
+
+    with pytest.raises(ValueError, match=r"train_dataset, column `source_image`: rows 0 \(32x32 px\) and 3 \(40x24 "
+                                         r"px\) are encoded at different sizes \(32x32 and 40x24, source_size='source'"):
+        FlowGRPOTrainer(kontext_config(FlowGRPOConfig, tmp_path), make_adapter(), [brightness],
+                        train_dataset=Dataset.from_dict(rows))
+    auto = FluxKontextAdapter(tiny_flux_kontext_pipeline())
+    auto.check_source_sizes([(32, 32), (1000, 1010), (64, 64)], "ds")  # one class: (1024, 1024)
+    with pytest.raises(ValueError, match=r"ds: rows 0 \(32x32 px\) and 1 \(150x64 px\).*1568x672"):
+        auto.check_source_sizes([(32, 32), (150, 64)], "ds")

@@ -29,10 +29,11 @@ def _is_path(value) -> bool:
     return isinstance(value, (str, os.PathLike))
 
 
-def check_sources(dataset, column: str, name: str = "train_dataset") -> None:
-    """Check every row's source image without decoding it: a path must name an existing file; a PIL image must
-    have an image mode; an array / tensor must be (H, W, 3) or (3, H, W) (or (H, W)) with H, W >= 1. Raises one
-    ``ValueError`` naming the dataset, the row, the column and the fix, before any model compute."""
+def check_sources(dataset, column: str, name: str = "train_dataset") -> list[tuple[int, int]]:
+    """Check every row's source image without decoding it: a path must name an existing image file (its header is
+    read); a PIL image must have an image mode; an array / tensor must be (H, W, 3) or (3, H, W) (or (H, W)) with
+    H, W >= 1. Raises one ``ValueError`` naming the dataset, the row, the column and the fix, before any model
+    compute. Returns each row's (width, height)."""
     if column not in dataset.column_names:
         raise ValueError(f"{name}: no `{column}` column (columns: {dataset.column_names}); an editing pipeline "
                          f"needs a source image per prompt: add a `{column}` column of image paths or images")
@@ -40,11 +41,11 @@ def check_sources(dataset, column: str, name: str = "train_dataset") -> None:
 
     values = dataset.cast_column(column, ImageFeature(decode=False))[column] if isinstance(
         dataset.features[column], ImageFeature) else dataset[column]
-    for row, value in enumerate(values):
-        _check_value(value, _where(name, row, column))
+    return [_check_value(value, _where(name, row, column)) for row, value in enumerate(values)]
 
 
-def _check_value(value, where: str) -> None:
+def _check_value(value, where: str) -> tuple[int, int]:
+    """The (width, height) of a valid source value; a ``ValueError`` starting with ``where`` otherwise."""
     from PIL import Image
 
     if value is None:
@@ -52,22 +53,30 @@ def _check_value(value, where: str) -> None:
     if isinstance(value, dict) and ("path" in value or "bytes" in value):  # datasets.Image(decode=False)
         if value.get("bytes") is None and (value.get("path") is None or not os.path.isfile(value["path"])):
             raise ValueError(f"{where}: image file {value.get('path')!r} not found")
-        return
+        if value.get("bytes") is None:
+            value = value["path"]
+        else:
+            import io
+
+            try:
+                with Image.open(io.BytesIO(value["bytes"])) as im:
+                    return im.size
+            except OSError as e:
+                raise ValueError(f"{where}: the stored image bytes are not a readable image ({e})") from None
     if _is_path(value):
         if not os.path.isfile(value):
             raise ValueError(f"{where}: image file {os.fspath(value)!r} not found (relative paths are resolved "
                              f"against the working directory {os.getcwd()!r}; load_prompts resolves a .jsonl's "
                              "paths against its folder)")
         try:  # reads the header only: an unreadable file fails here, its pixels are decoded when used
-            with Image.open(value):
-                pass
+            with Image.open(value) as im:
+                return im.size
         except OSError as e:
             raise ValueError(f"{where}: {os.fspath(value)!r} is not a readable image ({e})") from None
-        return
     if isinstance(value, Image.Image):
         if value.mode not in _MODES:
             raise ValueError(f"{where}: PIL image of mode {value.mode!r}; convert it, e.g. image.convert('RGB')")
-        return
+        return value.size
     shape = tuple(getattr(value, "shape", ()))
     if not shape and isinstance(value, (list, tuple)):
         import numpy as np
@@ -76,6 +85,8 @@ def _check_value(value, where: str) -> None:
     if not _array_ok(shape):
         raise ValueError(f"{where}: an image array must be (H, W, 3), (3, H, W) or (H, W), got shape {shape} "
                          f"({type(value).__name__})")
+    h, w = shape[1:] if len(shape) == 3 and shape[0] == 3 and shape[-1] != 3 else shape[:2]
+    return int(w), int(h)
 
 
 def _array_ok(shape) -> bool:
@@ -143,7 +154,7 @@ def check_dataset_for(adapter, dataset, name: str) -> None:
         return
     column = getattr(adapter, "source_column", SOURCE_COLUMN)
     if adapter.conditioning == "text_and_image":
-        check_sources(dataset, column, name)
+        adapter.check_source_sizes(check_sources(dataset, column, name), f"{name}, column `{column}`")
     elif SOURCE_COLUMN in dataset.column_names:
         raise ValueError(f"{name}: has a `{SOURCE_COLUMN}` column, but {type(adapter).__name__} generates from text "
                          "alone and would ignore the source images; use an editing pipeline (e.g. "

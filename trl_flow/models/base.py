@@ -165,6 +165,11 @@ class FlowAdapter:
         """
         raise NotImplementedError
 
+    def check_source_sizes(self, sizes: list[tuple[int, int]], where: str) -> None:
+        """Editing adapters: raise ``ValueError`` (naming ``where`` and the rows) if the sources of these (width,
+        height) sizes, one per dataset row, cannot be used together, e.g. because their conditioning shapes differ
+        (rows of different shapes cannot share a batch). Called at set-up, before any compute. Default: accept."""
+
     def check_size(self, height: int, width: int) -> None:
         """Raise ``ValueError`` naming height/width if the model cannot generate at this size (before any compute)."""
 

@@ -51,14 +51,28 @@ class FluxKontextAdapter(FluxAdapter):
 
     # ------------------------------------------------------------------------------------------- conditioning
     def source_size_of(self, image) -> tuple[int, int]:
-        """(height, width) in pixels the pipeline encodes ``image`` (a PIL image) at."""
+        """(height, width) in pixels the pipeline encodes ``image`` (a PIL image, or its (width, height)) at."""
         from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
 
         multiple_of = self.pipe.vae_scale_factor * 2
-        h, w = self.pipe.image_processor.get_default_height_width(image)
+        width, height = image if isinstance(image, tuple) else image.size
+        h, w = self.pipe.image_processor.get_default_height_width(None, height=height, width=width)
         if self.source_size == "auto":
             _, w, h = min((abs(w / h - pw / ph), pw, ph) for pw, ph in PREFERRED_KONTEXT_RESOLUTIONS)
         return h // multiple_of * multiple_of, w // multiple_of * multiple_of
+
+    def check_source_sizes(self, sizes, where) -> None:
+        """Every row's source must give the same conditioning size (one batch holds rows of one shape)."""
+        first = {}
+        for row, size in enumerate(sizes):
+            first.setdefault(self.source_size_of(size), (row, size))
+            if len(first) > 1:
+                (r1, s1), (r2, s2) = first.values()
+                (h1, w1), (h2, w2) = first
+                raise ValueError(
+                    f"{where}: rows {r1} ({s1[0]}x{s1[1]} px) and {r2} ({s2[0]}x{s2[1]} px) are encoded at different "
+                    f"sizes ({w1}x{h1} and {w2}x{h2}, source_size={self.source_size!r}); give every source one aspect "
+                    "ratio" + (" class" if self.source_size == "auto" else " and size") + " (resize them first)")
 
     def encode_images(self, images, dtype) -> torch.Tensor:
         """(B, C, h', w') VAE latents of the sources, shifted and scaled as the pipeline's ``_encode_vae_image``;
