@@ -331,3 +331,17 @@ def test_sources_of_different_conditioning_sizes_are_refused_at_set_up(tmp_path,
     auto.check_source_sizes([(32, 32), (1000, 1010), (64, 64)], "ds")  # one class: (1024, 1024)
     with pytest.raises(ValueError, match=r"ds: rows 0 \(32x32 px\) and 1 \(150x64 px\).*1568x672"):
         auto.check_source_sizes([(32, 32), (150, 64)], "ds")
+
+
+@pytest.mark.parametrize("trainer_class", exported_trainers(), ids=lambda c: c.__name__)
+def test_kl_to_reference_takes_the_sources(tmp_path, edit_dataset, trainer_class):
+    """kl_to_reference(prompts, columns=...) conditions on the sources: 0 before training (policy == reference),
+    finite per prompt after an iteration, for every trainer."""
+    config = kontext_config(trainer_class.config_class, tmp_path, max_steps=1)
+    trainer = trainer_class(config, make_adapter(), [brightness], train_dataset=edit_dataset)
+    rows = edit_dataset[:2]
+    kw = dict(columns={"source_image": rows["source_image"]}, sampler="flow_sde", noise_level=0.7)
+    assert torch.equal(trainer.kl_to_reference(rows["prompt"], **kw), torch.zeros(2))
+    trainer.train()
+    kl = trainer.kl_to_reference(rows["prompt"], **kw)
+    assert kl.shape == (2,) and torch.isfinite(kl).all() and (kl > 0).all()

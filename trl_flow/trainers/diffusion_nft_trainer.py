@@ -279,11 +279,11 @@ class DiffusionNFTTrainer(FlowRLTrainer):
             old.copy_(old * self.old_decay + p.detach() * (1.0 - self.old_decay))
         return self.old_decay
 
-    def kl_to_reference(self, prompts, seed=0, sampler=None, noise_level=None):
+    def kl_to_reference(self, prompts, seed=0, sampler=None, noise_level=None, columns=None):
         if (sampler or self.config.sampler) == "ode":  # the default kernel here: no density, the KL would read 0
             raise ValueError("kl_to_reference: the `ode` kernel has no density; pass a stochastic kernel to measure "
                              "with, e.g. sampler='flow_sde', noise_level=0.7 (as benchmarks/shapes.py does)")
-        return super().kl_to_reference(prompts, seed=seed, sampler=sampler, noise_level=noise_level)
+        return super().kl_to_reference(prompts, seed=seed, sampler=sampler, noise_level=noise_level, columns=columns)
 
     # ------------------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self) -> str:
