@@ -247,3 +247,23 @@ def test_docs_quote_the_edit_rubric():
     with open(os.path.join(os.path.dirname(__file__), "..", "docs", "rewards.md")) as f:
         quoted = " ".join(line[2:] for line in f.read().splitlines() if line.startswith("> "))
     assert " ".join(EDIT_RUBRIC.replace("\n", " ").split()) in " ".join(quoted.split())
+
+
+def test_a_source_broken_after_set_up_is_named_by_its_path_when_decoded(tmp_path):
+    from trl_flow.models import FlowAdapter
+
+    class Editing(FlowAdapter):
+        conditioning = "text_and_image"
+
+    (tmp_path / "a.png").write_bytes(b"truncated")
+    with pytest.raises(ValueError, match=r"^train_dataset: column `source_image`: '[^']*a.png' is not a readable "
+                                         r"image \(UnidentifiedImageError\)$"):
+        editing.adapter_images(Editing(None), {"source_image": [str(tmp_path / "a.png")]})
+    Image.fromarray(_rgb(0, 64, 64)).save(tmp_path / "b.png")
+    data = (tmp_path / "b.png").read_bytes()
+    (tmp_path / "b.png").write_bytes(data[: len(data) // 2])  # the header reads, the pixels do not
+    assert editing._check_value(str(tmp_path / "b.png"), "w") == (64, 64)
+    with pytest.raises(ValueError, match=r"^train_dataset: column `source_image`: cannot decode '[^']*b.png' \(OSError"):
+        editing.adapter_images(Editing(None), {"source_image": [str(tmp_path / "b.png")]})
+    with pytest.raises(ValueError, match=r"Editing needs the `source_image` column .* columns=\{'source_image'"):
+        editing.adapter_images(Editing(None), {})

@@ -21,8 +21,9 @@ SOURCE_COLUMN = "source_image"
 _MODES = ("RGB", "RGBA", "L", "P", "LA", "I;16", "CMYK", "YCbCr")
 
 
-def _where(name: str, row: int, column: str) -> str:
-    return f"{name}: row {row}, column `{column}`"
+def _where(name: str, row: int | None, column: str) -> str:
+    # row None: a batch's value, decoded lazily; the messages name a path themselves
+    return f"{name}: column `{column}`" if row is None else f"{name}: row {row}, column `{column}`"
 
 
 def _is_path(value) -> bool:
@@ -72,7 +73,7 @@ def _check_value(value, where: str) -> tuple[int, int]:
             with Image.open(value) as im:
                 return im.size
         except OSError as e:
-            raise ValueError(f"{where}: {os.fspath(value)!r} is not a readable image ({e})") from None
+            raise ValueError(f"{where}: {os.fspath(value)!r} is not a readable image ({type(e).__name__})") from None
     if isinstance(value, Image.Image):
         if value.mode not in _MODES:
             raise ValueError(f"{where}: PIL image of mode {value.mode!r}; convert it, e.g. image.convert('RGB')")
@@ -95,9 +96,9 @@ def _array_ok(shape) -> bool:
     return len(shape) == 3 and (shape[-1] == 3 or shape[0] == 3) and min(shape) >= 1
 
 
-def load_source(value, row: int, column: str, name: str = "train_dataset"):
+def load_source(value, row: int | None, column: str, name: str = "train_dataset"):
     """Decode one source image to an RGB ``PIL.Image``; a missing, unreadable or malformed one raises a one-line
-    ``ValueError`` naming the dataset, the row and the column."""
+    ``ValueError`` naming the dataset, the row (or, for ``row=None``, the value's path) and the column."""
     import numpy as np
     from PIL import Image, UnidentifiedImageError
 
@@ -115,7 +116,8 @@ def load_source(value, row: int, column: str, name: str = "train_dataset"):
         if isinstance(value, Image.Image):
             return value if value.mode == "RGB" else value.convert("RGB")
     except (OSError, UnidentifiedImageError, ValueError) as e:
-        raise ValueError(f"{where}: cannot read the image ({type(e).__name__}: {e}); check the file") from None
+        what = repr(os.fspath(value)) if _is_path(value) else "the image"
+        raise ValueError(f"{where}: cannot decode {what} ({type(e).__name__}: {e}); check the file") from None
     a = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
     if a.ndim == 3 and a.shape[0] == 3 and a.shape[-1] != 3:
         a = a.transpose(1, 2, 0)
@@ -168,13 +170,14 @@ def adapter_images(adapter, columns: dict, name: str = "train_dataset") -> list 
         return None
     column = getattr(adapter, "source_column", SOURCE_COLUMN)
     if column not in columns:
-        raise ValueError(f"{name}: {type(adapter).__name__} needs the `{column}` column (a source image per prompt); "
-                         f"got columns {sorted(columns)}")
+        raise ValueError(f"{type(adapter).__name__} needs the `{column}` column (a source image per prompt); got "
+                         f"columns {sorted(columns)}; pass the prompts' dataset columns, e.g. "
+                         f"trainer.generate(prompts, columns={{'{column}': images}})")
     memo, out = {}, []
-    for i, v in enumerate(columns[column]):
+    for v in columns[column]:
         key = os.fspath(v) if _is_path(v) else id(v)
-        if key not in memo:
-            memo[key] = load_source(v, i, column, f"{name} (batch sample)")
+        if key not in memo:  # decoded when used: a file that changed since set-up is named by its path
+            memo[key] = load_source(v, None, column, name)
         out.append(memo[key])
     return out
 
