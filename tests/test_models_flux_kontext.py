@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import HEIGHT, MAX_SEQ, WIDTH
 from PIL import Image
+from test_hub import online_hub  # noqa: F401  (fixture)
 from test_models_families import exported_trainers
 
 from trl_flow.models import get_adapter, load_pipeline
@@ -345,3 +346,25 @@ def test_kl_to_reference_takes_the_sources(tmp_path, edit_dataset, trainer_class
     trainer.train()
     kl = trainer.kl_to_reference(rows["prompt"], **kw)
     assert kl.shape == (2,) and torch.isfinite(kl).all() and (kl > 0).all()
+
+
+def test_push_to_hub_card_samples_with_the_sources(online_hub, tmp_path, edit_dataset):
+    """push_to_hub of an editing run: the before/after grid is sampled with the eval rows' sources (it raised
+    'needs the source_image column' before), the card is tagged image-to-image and its code passes image=."""
+    import ast
+
+    from huggingface_hub import ModelCard
+
+    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
+
+    config = kontext_config(FlowGRPOConfig, tmp_path, max_steps=1, push_to_hub=True, hub_model_id="tiny-kontext",
+                            hub_base_model="black-forest-labs/FLUX.1-Kontext-dev")
+    trainer = FlowGRPOTrainer(config, make_adapter(), [brightness], train_dataset=edit_dataset,
+                              eval_dataset=edit_dataset.select([0, 1]))
+    trainer.train()
+    card = ModelCard.load(online_hub.remote / "README.md")
+    assert card.data.to_dict()["pipeline_tag"] == "image-to-image"
+    usage = card.text.split("```python\n")[1].split("```")[0]
+    ast.parse(usage)
+    assert 'pipe(image=load_image("source.png"), prompt=' in usage and "FluxKontextPipeline" in usage
+    assert Image.open(online_hub.remote / "images/before_after.png").size == (2 * WIDTH, 2 * HEIGHT)

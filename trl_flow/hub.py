@@ -202,15 +202,26 @@ def card_prompts(trainer, n: int = NUM_CARD_PROMPTS) -> list[str]:
     return list(ds["prompt"][: min(n, len(ds))])
 
 
-def before_after(trainer, prompts: list[str], seed: int = CARD_SEED):
+def card_columns(trainer, n: int) -> dict:
+    """The other dataset columns of :func:`card_prompts`' rows (an editing run's source images)."""
+    ds = trainer.eval_dataset if trainer.eval_dataset is not None else trainer.train_dataset
+    rows = ds[: min(n, len(ds))]
+    rows.pop("prompt")
+    return rows
+
+
+def before_after(trainer, prompts: list[str], seed: int = CARD_SEED, columns: dict | None = None):
     """ODE samples of ``prompts`` from the base model (top row; LoRA disabled, or the frozen reference copy) and
     from the trained one (bottom row; EMA weights if EMA is on), same noise. Returns (grid or None, has_before).
-    Runs on every process (sharded models need all of them); cheap: ``2 x len(prompts)`` images."""
+    Runs on every process (sharded models need all of them); cheap: ``2 x len(prompts)`` images. ``columns``: the
+    prompts' dataset columns (default: :func:`card_columns`; an editing model reads its source images there)."""
     from .trainers.tracking import grid
 
     cfg = trainer.config
+    if columns is None:
+        columns = card_columns(trainer, len(prompts))
     with trainer.ema_weights():
-        after, _ = trainer.generate(prompts, seed=seed)
+        after, _ = trainer.generate(prompts, seed=seed, columns=columns)
     before = None
     if cfg.finetune == "lora" or trainer.ref_model is not None:
         with trainer.reference_policy() as ref:
@@ -218,13 +229,21 @@ def before_after(trainer, prompts: list[str], seed: int = CARD_SEED):
             if cfg.finetune != "lora":  # the frozen copy is a separate module
                 trainer.model = ref
             try:
-                before, _ = trainer.generate(prompts, seed=seed)
+                before, _ = trainer.generate(prompts, seed=seed, columns=columns)
             finally:
                 trainer.model = current
     import torch
 
     images = after if before is None else torch.cat([before, after])
     return grid(images, cols=len(prompts)), before is not None
+
+
+def _call(trainer, prompt: str) -> str:
+    """The card's sampling line: an editing model takes the source image too."""
+    if getattr(trainer.adapter, "conditioning", "text") == "text_and_image":
+        return ('from diffusers.utils import load_image\n\n'
+                f'image = pipe(image=load_image("source.png"), prompt={prompt!r}).images[0]')
+    return f"image = pipe({prompt!r}).images[0]"
 
 
 def build_model_card(trainer, repo_id: str, base_model: str | None, license: dict, prompts: list[str],
@@ -249,11 +268,11 @@ def build_model_card(trainer, repo_id: str, base_model: str | None, license: dic
         usage = ("import torch\nfrom diffusers import DiffusionPipeline\n\n"
                  + (f'pipe = DiffusionPipeline.from_pretrained("{base_model}", torch_dtype=torch.bfloat16)\n'
                     if base_model else "# pipe: the diffusers pipeline this LoRA was trained from\n")
-                 + f'{load}\nimage = pipe({prompts[0]!r}).images[0]')
+                 + f'{load}\n{_call(trainer, prompts[0])}')
     else:
         usage = ("import torch\nfrom diffusers import DiffusionPipeline\n\n"
                  f'pipe = DiffusionPipeline.from_pretrained("{repo_id}", torch_dtype=torch.bfloat16)\n'
-                 f'image = pipe({prompts[0]!r}).images[0]')
+                 f'{_call(trainer, prompts[0])}')
     base_text = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "its base pipeline"
     kind = "A LoRA for" if lora else "A fine-tune of"
     grid_caption = (("Top row: the base model; bottom row: after training. " if has_before
