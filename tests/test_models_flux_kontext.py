@@ -368,3 +368,48 @@ def test_push_to_hub_card_samples_with_the_sources(online_hub, tmp_path, edit_da
     ast.parse(usage)
     assert 'pipe(image=load_image("source.png"), prompt=' in usage and "FluxKontextPipeline" in usage
     assert Image.open(online_hub.remote / "images/before_after.png").size == (2 * WIDTH, 2 * HEIGHT)
+
+
+def test_output_source_size_is_flow_grpos_resize_to_the_generated_size(tmp_path, edit_dataset):
+    """source_image_size="output" (config) encodes every source at height x width: the ODE rollout equals
+    pipe(image=image_processor.resize(source, H, W), _auto_resize=False) bit for bit, and sources of different
+    sizes train together (no set-up refusal). A text-to-image adapter refuses the field; a conflicting adapter
+    option is refused naming both."""
+    from datasets import Dataset
+
+    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
+    from trl_flow.rollout import sample_trajectories
+    from trl_flow.testing import tiny_flux_pipeline
+
+    pipe = tiny_flux_kontext_pipeline()
+    adapter = FluxKontextAdapter(pipe, source_size="output", output_size=(HEIGHT, WIDTH))
+    src, K = source(3, (40, 24)), 3
+    expected = pipe(prompt="make it red", image=pipe.image_processor.resize(src, HEIGHT, WIDTH), height=HEIGHT,
+                    width=WIDTH, max_area=HEIGHT * WIDTH, _auto_resize=False, num_inference_steps=K,
+                    guidance_scale=2.5, max_sequence_length=MAX_SEQ, generator=torch.Generator().manual_seed(0),
+                    output_type="latent").images
+    with torch.no_grad():
+        embeds = adapter.encode_prompts(["make it red"], False, MAX_SEQ, images=[src])
+    assert embeds["image"].shape == (1, 4, HEIGHT // 2, WIDTH // 2)
+    noise = adapter.initial_noise(1, HEIGHT, WIDTH, torch.Generator().manual_seed(0))
+    traj = sample_trajectories(adapter, pipe.transformer, embeds, noise, adapter.schedule(K, HEIGHT, WIDTH),
+                               ["ode"] * K, 0.0, 2.5, batch_size=1)
+    assert torch.equal(adapter.pack(traj["states"][:, -1]), expected)
+
+    rows = edit_dataset.to_dict()
+    source(9, (40, 24)).save(tmp_path / "wide.png")
+    rows["source_image"][3] = str(tmp_path / "wide.png")
+    config = kontext_config(FlowGRPOConfig, tmp_path, max_steps=1, source_image_size="output")
+    trainer = FlowGRPOTrainer(config, tiny_flux_kontext_pipeline(), [brightness], train_dataset=Dataset.from_dict(rows))
+    assert trainer.adapter.source_size == "output"
+    trainer.train()
+    assert torch.isfinite(torch.tensor(trainer.state.log_history[-1]["loss"]))
+    with pytest.raises(ValueError, match=r"source_image_size='output': FluxAdapter does not read it \(only editing "
+                                         r"pipelines do\)"):
+        FlowGRPOTrainer(kontext_config(FlowGRPOConfig, tmp_path, source_image_size="output"), tiny_flux_pipeline(),
+                        [brightness], train_dataset=["a cat"])
+    with pytest.raises(ValueError, match=r"source_image_size='output' in the config, but the FluxKontextAdapter was "
+                                         r"built with source_size='source'"):
+        FlowGRPOTrainer(config, make_adapter(), [brightness], train_dataset=edit_dataset)
+    with pytest.raises(ValueError, match="source_image_size"):
+        kontext_config(FlowGRPOConfig, tmp_path, source_image_size="big")

@@ -7,7 +7,7 @@ import torch
 from .base import PromptEmbeds
 from .flux import FluxAdapter
 
-SOURCE_SIZES = ("auto", "source")
+SOURCE_SIZES = ("auto", "source", "output")
 
 
 class FluxKontextAdapter(FluxAdapter):
@@ -20,25 +20,40 @@ class FluxKontextAdapter(FluxAdapter):
     * :meth:`velocity` packs it into (h'/2)(w'/2) tokens, concatenates them after the noisy latent's tokens with
       their ids (the latent's ids with the first coordinate set to 1) and keeps only the generated tokens'
       velocity, exactly as the denoising loop does.
-    * ``source_size``: ``"auto"`` (the pipeline's default ``_auto_resize=True``: the preferred Kontext resolution
-      nearest the source's aspect ratio, about 1024 x 1024 pixels) or ``"source"`` (``_auto_resize=False``: the
-      source's own size, rounded down to a multiple of 16). The conditioning's shape must be the same for every
-      sample of a run (one aspect-ratio class under ``"auto"``, one size under ``"source"``): a batch that mixes
-      them is refused naming the sizes.
+    * ``source_size`` (or the trainer config's ``source_image_size``): ``"auto"`` (the pipeline's default
+      ``_auto_resize=True``: the preferred Kontext resolution nearest the source's aspect ratio, about 1024 x 1024
+      pixels), ``"source"`` (``_auto_resize=False``: the source's own size, rounded down to a multiple of 16) or
+      ``"output"`` (resized to the generated height x width, as Flow-GRPO's Kontext training does; equals
+      ``pipe(image=image_processor.resize(source, H, W), _auto_resize=False)``). The conditioning's shape must be
+      the same for every sample of a run (one aspect-ratio class under ``"auto"``, one size under ``"source"``):
+      rows that differ are refused at set-up, naming them.
     * Everything else (distilled guidance, true CFG, schedule, decode, LoRA targets) is FLUX.1's. The schedule's
       shift uses the generated tokens only, as the pipeline does.
     """
 
     conditioning = "text_and_image"
     pipeline_tag = "image-to-image"
+    reads_config_fields = ("source_image_size",)
 
     def __init__(self, pipe, true_cfg_scale: float = 1.0, negative_prompt: str | None = None,
-                 source_size: str = "auto", source_column: str = "source_image"):
+                 source_size: str | None = None, source_column: str = "source_image",
+                 output_size: tuple[int, int] | None = None):
         super().__init__(pipe, true_cfg_scale=true_cfg_scale, negative_prompt=negative_prompt)
-        if source_size not in SOURCE_SIZES:
+        if source_size is not None and source_size not in SOURCE_SIZES:
             raise ValueError(f"source_size={source_size!r}: must be one of {SOURCE_SIZES}")
-        self.source_size = source_size
+        self._source_size_option = source_size
+        self.source_size = source_size or "auto"
         self.source_column = source_column
+        self.output_size = output_size  # (height, width) for source_size="output"; set by configure()
+
+    def configure(self, config) -> None:
+        super().configure(config)
+        size = getattr(config, "source_image_size", "auto")
+        if self._source_size_option is not None and size not in ("auto", self._source_size_option):
+            raise ValueError(f"source_image_size={size!r} in the config, but the FluxKontextAdapter was built with "
+                             f"source_size={self._source_size_option!r}; set it in one place")
+        self.source_size = self._source_size_option or size
+        self.output_size = (config.height, config.width)
 
     @property
     def pipeline_class(self):
@@ -55,6 +70,11 @@ class FluxKontextAdapter(FluxAdapter):
         from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
 
         multiple_of = self.pipe.vae_scale_factor * 2
+        if self.source_size == "output":
+            if self.output_size is None:
+                raise ValueError("source_size='output' needs the generated size: pass output_size=(height, width) "
+                                 "or let a trainer configure the adapter")
+            return self.output_size[0] // multiple_of * multiple_of, self.output_size[1] // multiple_of * multiple_of
         width, height = image if isinstance(image, tuple) else image.size
         h, w = self.pipe.image_processor.get_default_height_width(None, height=height, width=width)
         if self.source_size == "auto":

@@ -70,10 +70,12 @@ class FlowRLTrainer:
         if config.eval_steps and self.eval_dataset is None:
             raise ValueError("eval_steps > 0 needs an eval_dataset; pass one or set eval_steps=0")
         self.adapter = get_adapter(pipe)  # a pipeline, or an adapter built with options (e.g. FluxAdapter(pipe, ...))
-        for name, default in (("experts", "all"), ("guidance_scale_2", None)):  # fields one family reads
+        for name, default, who in (("experts", "all", "Wan2.2-A14B's two experts"),  # fields one family reads
+                                   ("guidance_scale_2", None, "Wan2.2-A14B's two experts"),
+                                   ("source_image_size", "auto", "editing pipelines")):
             if getattr(config, name) != default and name not in self.adapter.reads_config_fields:
                 raise ValueError(f"{name}={getattr(config, name)!r}: {type(self.adapter).__name__} does not read it "
-                                 f"(only Wan2.2-A14B's two experts do); remove it or set it to {default!r}")
+                                 f"(only {who} do); remove it or set it to {default!r}")
         self.adapter.configure(config)
         for ds, ds_name in ((self.train_dataset, "train_dataset"), (self.eval_dataset, "eval_dataset")):
             editing.check_dataset_for(self.adapter, ds, ds_name)  # source images (editing) or none: see editing.py
