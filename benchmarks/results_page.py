@@ -52,7 +52,7 @@ def ms(xs) -> tuple[float, float] | None:
     xs = [x for x in xs if x is not None]
     if not xs:
         return None
-    return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+    return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else None)  # None: one seed, no spread
 
 
 def welch_t(a, b) -> float | None:
@@ -99,7 +99,9 @@ def load_panel(name: str) -> dict | None:
 
 
 def fmt(pair, nd=3) -> str:
-    return "n/a" if pair is None else f"{pair[0]:.{nd}f} +- {pair[1]:.{nd}f}"
+    if pair is None:
+        return "n/a"
+    return f"{pair[0]:.{nd}f} (1 seed)" if pair[1] is None else f"{pair[0]:.{nd}f} +- {pair[1]:.{nd}f}"
 
 
 def compare(p: dict, a: str, b: str, field: str = "final") -> dict | None:
@@ -126,6 +128,8 @@ def cell(p: dict | None, a: str, b: str | None, field: str = "final") -> tuple[s
     if b is None:
         f = ms(p["methods"][a][field])
         n = len(p["methods"][a][field])
+        if f[1] is None:  # one seed: no spread, no t
+            return f"{p['base']:.3f} -> {fmt(f)}", None
         t = (f[0] - p["base"]) / (f[1] / math.sqrt(n)) if f[1] else math.inf
         return f"{p['base']:.3f} -> {fmt(f)}, t {t:+.1f}", t
     if field == "cpu_to_target" and not same_machine(p["methods"][a]["calibration"] + p["methods"][b]["calibration"]):
