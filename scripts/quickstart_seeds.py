@@ -50,10 +50,10 @@ def curve(args) -> dict:
 
     qs = _quickstart()
     overrides = dict((kv.split("=", 1)[0], _value(kv.split("=", 1)[1])) for kv in args.set)
-    out = {"method": args.method, "overrides": overrides, "images_per_prompt": args.images_per_prompt, "seeds": {}}
+    out = {"method": args.method, "reward": args.reward, "overrides": overrides, "images_per_prompt": args.images_per_prompt, "seeds": {}}
     for seed in args.seeds:
         trainer, sets = qs.make_trainer(args.method, seed, args.steps, os.path.join(args.work, f"curve{seed}"),
-                                        args.images_per_prompt, **overrides)
+                                        args.images_per_prompt, reward=args.reward, **overrides)
         prompts, cats = sets["trained_prompts"]
 
         def strict():
@@ -113,6 +113,7 @@ def main(argv=None):
     ap.add_argument("--eval_at", type=int, nargs="+", default=[10, 15, 20, 25, 30])
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reward", default="shapes_relation", help="--curve: the training reward")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.images_per_prompt is None:

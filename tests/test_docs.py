@@ -159,13 +159,26 @@ def _quickstart():
         return mod, json.load(f)
 
 
-def test_readme_quickstart_numbers_are_the_committed_run():
-    """README.md quotes exactly the sentence the quickstart makes of benchmarks/results/quickstart/scores.json: the
-    numbers are never typed by hand (update: `python examples/quickstart.py --summary <that file>`)."""
+QUICKSTART_SEEDS = os.path.join(ROOT, "benchmarks", "results", "quickstart", "seeds.json")
+
+
+def test_readme_quickstart_numbers_are_the_committed_seeds():
+    """README.md quotes exactly the sentence the quickstart makes of benchmarks/results/quickstart/seeds.json (the
+    quickstart over >= 5 seeds, scripts/quickstart_seeds.py): median and range, never typed by hand; the committed
+    seed-0 run is one of them; and every seed shows the gain the README promises (>= +0.10 strict, trained prompts)."""
     quickstart, scores = _quickstart()
+    with open(QUICKSTART_SEEDS, encoding="utf-8") as f:
+        seeds = json.load(f)
     readme = _page_text("README.md")
-    sentence = quickstart.readme_summary(scores)
-    assert sentence in readme, f"README.md's quickstart numbers differ from {_rel(QUICKSTART_RESULTS)}: expected\n{sentence}"
+    sentence = quickstart.readme_seeds_summary(seeds)
+    assert sentence in readme, f"README.md's quickstart numbers differ from {_rel(QUICKSTART_SEEDS)}: expected\n{sentence}"
+    assert len(seeds["seeds"]) >= 5
+    gains = [r["trained_prompts"]["strict"][1] - r["trained_prompts"]["strict"][0] for r in seeds["seeds"].values()]
+    assert min(gains) >= 0.10 and seeds["gains"]["trained_prompts/strict"]["min"] == pytest.approx(min(gains))
+    seed0 = seeds["seeds"]["0"]["trained_prompts"]["strict"]
+    assert seed0 == [scores["trained_prompts"][w]["overall"]["strict"] for w in ("before", "after")]
+    run = {k: v for k, v in scores["run"].items() if k not in ("train_cpu_s", "train_wall_s")}
+    assert run == {k: v for k, v in seeds["seeds"]["0"]["run"].items() if k not in ("train_cpu_s", "train_wall_s")}
     for split in ("trained_prompts", "held_out_prompts"):  # the file has the shape quickstart.py writes
         for when in ("before", "after"):
             assert {"strict", "partial", "n"} <= set(scores[split][when]["overall"])
@@ -275,6 +288,10 @@ def test_readme_sentence_changes_with_the_file():
     before = scores["trained_prompts"]["before"]["overall"]["strict"]
     scores["trained_prompts"]["after"]["overall"]["strict"] = 0.9
     assert f"{before:.3f} -> 0.900" in quickstart.readme_summary(scores)
+    with open(QUICKSTART_SEEDS, encoding="utf-8") as f:
+        seeds = json.load(f)
+    seeds["gains"]["trained_prompts/strict"]["min"] = -0.5
+    assert "range -0.500 to" in quickstart.readme_seeds_summary(seeds)
 
 
 def test_shipped_reward_names_in_readme_and_docs_are_the_registered_ones():
