@@ -211,6 +211,10 @@ def claims(panels: dict) -> list[tuple]:
             v = "not comparable yet (machines differ)"
         elif v == "not measured yet" and any(" vs " in c for c, _ in cells):
             v = "too few seeds yet"
+        few = [pn for pn in where if panels.get(pn) is not None and any(
+            lab in panels[pn]["methods"] and len(panels[pn]["methods"][lab][field]) < 3 for lab in (a, b) if lab)]
+        if few and "so far" not in v and "yet" not in v:  # a verdict on fewer than 3 seeds a side is provisional
+            v += " (so far: fewer than 3 seeds on " + ", ".join(SHORT[pn] for pn in few) + ")"
         rows.append((method, claim, paper, text, v))
     return rows
 
