@@ -10,6 +10,22 @@ import torch
 from .base import JOINT_ATTENTION_PROJECTIONS, FlowAdapter, PromptEmbeds, Schedule
 
 
+def shifted_schedule(scheduler, num_inference_steps: int, image_seq_len: int, device, sigmas) -> Schedule:
+    """The schedule FluxPipeline (and QwenImagePipeline, FluxKontextPipeline) computes: ``sigmas`` shifted by
+    ``mu = calculate_shift(image_seq_len)`` from the scheduler's config, set on ``scheduler``."""
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+
+    mu = calculate_shift(
+        image_seq_len,
+        scheduler.config.get("base_image_seq_len", 256),
+        scheduler.config.get("max_image_seq_len", 4096),
+        scheduler.config.get("base_shift", 0.5),
+        scheduler.config.get("max_shift", 1.15),
+    )
+    timesteps, _ = retrieve_timesteps(scheduler, num_inference_steps, device, sigmas=sigmas, mu=mu)
+    return Schedule(sigmas=scheduler.sigmas.to(device, torch.float32).clone(), timesteps=timesteps.clone())
+
+
 class FluxAdapter(FlowAdapter):
     """FLUX.1: CLIP-L (pooled) + T5 conditioning, FluxTransformer2DModel, AutoencoderKL with scaling and shift.
 
@@ -87,21 +103,10 @@ class FluxAdapter(FlowAdapter):
         return (self.transformer.config.in_channels // 4, 2 * (height // (2 * s)), 2 * (width // (2 * s)))
 
     def schedule(self, num_inference_steps, height, width) -> Schedule:
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
-
-        scheduler = self.pipe.scheduler
         _, h, w = self.latent_shape(height, width)
-        sigmas = None if scheduler.config.get("use_flow_sigmas", False) else (
+        sigmas = None if self.pipe.scheduler.config.get("use_flow_sigmas", False) else (
             np.linspace(1.0, 1 / num_inference_steps, num_inference_steps))
-        mu = calculate_shift(
-            (h // 2) * (w // 2),
-            scheduler.config.get("base_image_seq_len", 256),
-            scheduler.config.get("max_image_seq_len", 4096),
-            scheduler.config.get("base_shift", 0.5),
-            scheduler.config.get("max_shift", 1.15),
-        )
-        timesteps, _ = retrieve_timesteps(scheduler, num_inference_steps, self.device, sigmas=sigmas, mu=mu)
-        return Schedule(sigmas=scheduler.sigmas.to(self.device, torch.float32).clone(), timesteps=timesteps.clone())
+        return shifted_schedule(self.pipe.scheduler, num_inference_steps, (h // 2) * (w // 2), self.device, sigmas)
 
     def velocity(self, model, x, timestep, embeds, guidance_scale, detach_uncond=False) -> torch.Tensor:
         pipe = self.pipe

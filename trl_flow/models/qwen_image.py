@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from .base import FlowAdapter, PromptEmbeds, Schedule
+from .flux import shifted_schedule
 
 #: ``QwenImagePipeline`` refuses longer prompts (``max_sequence_length`` cannot be greater than 1024).
 MAX_SEQUENCE_LENGTH = 1024
@@ -136,20 +137,9 @@ class QwenImageAdapter(FlowAdapter):
 
     # ------------------------------------------------------------------------------------------- sampling
     def schedule(self, num_inference_steps, height, width) -> Schedule:
-        from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
-
-        scheduler = self.pipe.scheduler
-        _, h, w = self.latent_shape(height, width)
+        _, h, w = self.latent_shape(height, width)  # QwenImagePipeline: always the linear sigmas, then FLUX's shift
         sigmas = np.linspace(1.0, 1 / num_inference_steps, num_inference_steps)
-        mu = calculate_shift(
-            (h // 2) * (w // 2),
-            scheduler.config.get("base_image_seq_len", 256),
-            scheduler.config.get("max_image_seq_len", 4096),
-            scheduler.config.get("base_shift", 0.5),
-            scheduler.config.get("max_shift", 1.15),
-        )
-        timesteps, _ = retrieve_timesteps(scheduler, num_inference_steps, self.device, sigmas=sigmas, mu=mu)
-        return Schedule(sigmas=scheduler.sigmas.to(self.device, torch.float32).clone(), timesteps=timesteps.clone())
+        return shifted_schedule(self.pipe.scheduler, num_inference_steps, (h // 2) * (w // 2), self.device, sigmas)
 
     def velocity(self, model, x, timestep, embeds, guidance_scale, detach_uncond=False) -> torch.Tensor:
         pipe = self.pipe
