@@ -200,20 +200,44 @@ CLAIMS = [
 ]
 
 
+def why_not(cell_text: str) -> str:
+    """Why a cell has no t: its reason in a few words."""
+    if "CPU not compared" in cell_text:
+        return "machines differ"
+    if " vs " in cell_text or " -> " in cell_text:
+        return "too few seeds"
+    return "not measured" if cell_text == "not measured yet" else cell_text
+
+
+def claim_verdict(where, cells, better: str) -> str:
+    """The verdict of one claim over its panels: :func:`verdict` on the panels with a t, and each other panel's
+    reason by name (a panel that cannot be compared never hides one that can, and the reverse)."""
+    ts = [t for _, t in cells]
+    if all(t is None for t in ts):
+        reasons = {why_not(c) for c, _ in cells}
+        if reasons == {"too few seeds"}:
+            return "too few seeds yet"
+        if reasons == {"machines differ"}:
+            return "not comparable yet (machines differ)"
+        return "not yet: " + "; ".join(f"{SHORT[pn]} {why_not(c)}" for pn, (c, _) in zip(where, cells))
+    v = verdict([t for t in ts if t is not None], better)
+    missing = [(pn, c) for pn, (c, t) in zip(where, cells) if t is None]
+    if missing:
+        on = ", ".join(SHORT[pn] for pn, (_, t) in zip(where, cells) if t is not None)
+        v += f" on {on} (" + "; ".join(f"{SHORT[pn]}: {why_not(c)}" for pn, c in missing) + ")"
+    return v
+
+
 def claims(panels: dict) -> list[tuple]:
     """(method, claim, paper, cell per set, verdict) rows; every number from ``panels``."""
     rows = []
     for method, claim, paper, where, a, b, field, better in CLAIMS:
         cells = [cell(panels.get(pname), a, b, field) for pname in where]
         text = "; ".join(f"{SHORT[pname]}: {c}" for pname, (c, _) in zip(where, cells))
-        v = verdict([t for _, t in cells], better)
-        if v == "not measured yet" and any("CPU not compared" in c for c, _ in cells):
-            v = "not comparable yet (machines differ)"
-        elif v == "not measured yet" and any(" vs " in c for c, _ in cells):
-            v = "too few seeds yet"
-        few = [pn for pn in where if panels.get(pn) is not None and any(
+        v = claim_verdict(where, cells, better)
+        few = [pn for pn, (_, t) in zip(where, cells) if t is not None and any(
             lab in panels[pn]["methods"] and len(panels[pn]["methods"][lab][field]) < 3 for lab in (a, b) if lab)]
-        if few and "so far" not in v and "yet" not in v:  # a verdict on fewer than 3 seeds a side is provisional
+        if few:  # a verdict resting on fewer than 3 seeds a side is provisional
             v += " (so far: fewer than 3 seeds on " + ", ".join(SHORT[pn] for pn in few) + ")"
         rows.append((method, claim, paper, text, v))
     return rows

@@ -246,6 +246,17 @@ def test_results_page_statistics():
     assert page.verdict([-3.0, -2.9], "lower") == "holds"
     assert page.verdict([1.0, -1.0], "higher") == "within the noise"
     assert page.verdict([None, None], "higher") == "not measured yet"
+    # per panel: a panel that cannot be compared never hides one that can (issue 37's Stepwise CPU row)
+    machines = ("runs of different or unrecorded machines: CPU not compared", None)
+    one_seed = ("418 (1 seed) vs 452 +- 56 (0.92x)", None)
+    where = ("tier2", "tier2b")
+    assert page.claim_verdict(where, [machines, one_seed], "lower") == "not yet: set A machines differ; set B too few seeds"
+    assert page.claim_verdict(where, [machines, ("400 +- 9 vs 452 +- 56", -3.1)], "lower") == \
+        "holds on set B (set A: machines differ)"
+    assert page.claim_verdict(where, [one_seed, one_seed], "lower") == "too few seeds yet"
+    assert page.claim_verdict(where, [machines, machines], "lower") == "not comparable yet (machines differ)"
+    assert page.claim_verdict(where, [("a vs b", 1.0), ("not measured yet", None)], "higher") == \
+        "within the noise on set A (set B: not measured)"
 
 
 def test_readme_tier2_numbers_are_the_committed_summary():
