@@ -58,6 +58,8 @@ register_function("shapes_strict", _shapes("shapes_strict"))
 register_function("shapes_partial", _shapes("shapes_partial"))
 register_function("shapes_dense", _shapes("shapes_dense"))
 register_function("shapes_relation", _shapes("shapes_relation"))
+register_function("shapes_edit", _shapes("shapes_edit"))  # editing: needs source_image=
+register_function("shapes_edit_partial", _shapes("shapes_edit_partial"))
 del _f
 
 __all__ = [

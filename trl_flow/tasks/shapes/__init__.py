@@ -3,7 +3,10 @@
 Flat red / green / blue circles, squares and triangles on black, 32x32 images. ``grammar`` (prompts, parser,
 fixed train/test split), ``render`` (ground truth), ``reward`` (detector, scores, reward functions with the
 contract ``reward(images (B, 3, H, W) in [0, 1], prompts, **columns) -> list[float]``), ``model`` (the tiny
-StableDiffusion3 pipeline and its committed base checkpoint), ``benchmark`` (fixed evaluation sets).
+StableDiffusion3 pipeline and its committed base checkpoint), ``benchmark`` (fixed evaluation sets). The editing
+task: ``edit`` (instruction grammar, source / target scene pairs, split), ``edit_reward`` (the ``shapes_edit``
+detector reward, which takes ``source_image=``), ``model_edit`` (the tiny FluxKontextPipeline and its committed
+editing base).
 """
 
 from .grammar import (
@@ -46,6 +49,9 @@ from .reward import (
     shapes_strict_reward,
 )
 from .grammar import noisy_caption
+from .edit import EditSpec, edit_dataset, parse_instruction, render_pair
+from .edit_reward import evaluate_edits, shapes_edit_partial_reward, shapes_edit_reward
+from .model_edit import EDIT_BASE_MODEL_DIR, build_edit_pipeline, edit_generate, load_edit_base_pipeline
 from .benchmark import eval_prompts, evaluate_pipeline
 
 __all__ = [
@@ -86,4 +92,15 @@ __all__ = [
     "eval_prompts",
     "noisy_caption",
     "evaluate_pipeline",
+    "EditSpec",
+    "edit_dataset",
+    "parse_instruction",
+    "render_pair",
+    "evaluate_edits",
+    "shapes_edit_reward",
+    "shapes_edit_partial_reward",
+    "EDIT_BASE_MODEL_DIR",
+    "build_edit_pipeline",
+    "edit_generate",
+    "load_edit_base_pipeline",
 ]

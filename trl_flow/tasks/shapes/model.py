@@ -145,9 +145,11 @@ def build_text_encoder(vocab_size: int, seed: int):
 # ------------------------------------------------------------------------------------------------------- VAE
 
 
-def build_vae():
+def build_vae(latent_channels: int = LATENT_CHANNELS):
     """``AutoencoderKL`` with hand-set weights: latents (B, 3, H/2, W/2) = 2x2 average pool of the image
-    (B, 3, H, W) in [-1, 1]; decoding = nearest 2x upsample.
+    (B, 3, H, W) in [-1, 1]; decoding = nearest 2x upsample. ``latent_channels`` > 3 appends channels that
+    encode to exactly 0 and that decoding ignores (the editing pipeline needs 4: FluxKontextPipeline takes an
+    ``image`` with ``latent_channels`` channels for latents, so a 3-channel VAE would skip encoding RGB sources).
 
     Every ResNet's second conv is zero (identity blocks) and the mid blocks have no attention. The GroupNorm +
     SiLU before each ``conv_out`` would distort the signal, so each colour channel travels as a group of four
@@ -163,8 +165,8 @@ def build_vae():
         up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
         block_out_channels=(VAE_CHANNELS, VAE_CHANNELS),
         layers_per_block=1,
-        latent_channels=LATENT_CHANNELS,
-        norm_num_groups=LATENT_CHANNELS,
+        latent_channels=latent_channels,
+        norm_num_groups=3,  # one group of four channels [x, -x, K, -K] per colour channel
         sample_size=32,
         scaling_factor=1.0,
         shift_factor=0.0,
@@ -199,13 +201,13 @@ def build_vae():
 
         enc, dec = vae.encoder, vae.decoder
         spread(enc.conv_in, 3)
-        gather(enc.conv_out, LATENT_CHANNELS)
-        enc.conv_out.bias[LATENT_CHANNELS:] = -30.0  # log-variance: std exp(-15), sampling = mean
+        gather(enc.conv_out, 3)  # latent channels >= 3 (if any) stay 0
+        enc.conv_out.bias[latent_channels:] = -30.0  # log-variance: std exp(-15), sampling = mean
         for block in enc.down_blocks:
             for ds in block.downsamplers or []:
                 for c in range(VAE_CHANNELS):  # 2x2 average pool (taps 0..1 of the stride-2 conv)
                     ds.conv.weight[c, c, :2, :2] = 0.25
-        spread(dec.conv_in, LATENT_CHANNELS)
+        spread(dec.conv_in, 3)
         gather(dec.conv_out, 3)
         for block in dec.up_blocks:
             for us in block.upsamplers or []:
