@@ -18,6 +18,8 @@ _ADAPTERS: dict[str, type | str] = {
     "Flux2KleinPipeline": ".flux2:Flux2KleinAdapter",
     "ZImagePipeline": ".zimage:ZImageAdapter",
     "FluxKontextPipeline": ".flux_kontext:FluxKontextAdapter",
+    "QwenImageEditPipeline": ".qwen_image_edit:QwenImageEditAdapter",
+    "QwenImageEditPlusPipeline": ".qwen_image_edit:QwenImageEditPlusAdapter",
 }
 _entry_points_loaded = False
 

@@ -37,6 +37,8 @@ class QwenImageAdapter(FlowAdapter):
     #: The targets of diffusers' Qwen-Image LoRA script (examples/dreambooth/train_dreambooth_lora_qwen_image.py,
     #: its default without ``--lora_layers``): the image-stream attention projections of every block.
     default_lora_target_modules = ("to_k", "to_q", "to_v", "to_out.0")
+    #: ``pipe.encode_prompt`` pads a batch to its longest prompt.
+    prompt_padding = "longest"
 
     def __init__(self, pipe, negative_prompt: str = " "):
         super().__init__(pipe)
@@ -146,15 +148,16 @@ class QwenImageAdapter(FlowAdapter):
         dtype = self.transformer.dtype
         b, c, h, w = x.shape
         latents = pipe._pack_latents(x.to(dtype), b, c, h, w)
-        img_shapes = [[(1, h // 2, w // 2)]] * b
+        hidden, img_shapes = self._image_tokens(latents, h, w, embeds)
+        n = latents.shape[1]
         t = torch.as_tensor(timestep, device=x.device)
         t = (t.expand(b) if t.ndim == 0 else t).to(dtype)
 
         def call(name):
             text, mask = self._text(embeds, name)
-            return model(hidden_states=latents, timestep=t / 1000, guidance=None, encoder_hidden_states_mask=mask,
+            return model(hidden_states=hidden, timestep=t / 1000, guidance=None, encoder_hidden_states_mask=mask,
                          encoder_hidden_states=text.to(dtype), img_shapes=img_shapes, attention_kwargs={},
-                         return_dict=False)[0]
+                         return_dict=False)[0][:, :n]
 
         v = call("prompt_embeds")
         if guidance_scale > 1 and "negative_prompt_embeds" in embeds:
@@ -166,6 +169,11 @@ class QwenImageAdapter(FlowAdapter):
             v = combined * (torch.norm(v, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
         s = pipe.vae_scale_factor
         return pipe._unpack_latents(v, h * s, w * s, s)[:, :, 0].float()
+
+    def _image_tokens(self, latents, h, w, embeds):
+        """The transformer's image tokens and ``img_shapes`` for the packed latents (B, n, 4C) of (C, h, w)
+        latents: the generated image's alone (the editing adapter appends the source's after them)."""
+        return latents, [[(1, h // 2, w // 2)]] * latents.shape[0]
 
     def decode(self, latents) -> torch.Tensor:
         """Images (B, 3, H, W) float32 in [0, 1] from latents (B, C, h, w): the VAE's per-channel

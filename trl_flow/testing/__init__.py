@@ -230,6 +230,7 @@ _FAMILY_BUILDERS = {
     "tiny_wan22_5b_pipeline": "wan22",
     "tiny_zimage_pipeline": "zimage",
     "tiny_flux_kontext_pipeline": "flux_kontext",
+    "tiny_qwen_image_edit_pipeline": "qwen_image_edit",
 }
 
 

@@ -23,17 +23,17 @@ _SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "
             "<|video_pad|>")
 
 
-def _byte_level_qwen2_tokenizer(model_max_length: int = 32768):
+def _byte_level_qwen2_tokenizer(model_max_length: int = 32768, words: tuple[str, ...] = _TEMPLATE_WORDS):
     """A real ``Qwen2Tokenizer`` (byte-level BPE, Qwen2's pre-tokenizer): the 256 byte symbols, merges that build
-    the prompt template's words, and Qwen2.5-VL's special tokens (``<|im_start|>``, ``<|im_end|>``, pad
-    ``<|endoftext|>``, the vision markers)."""
+    ``words`` (default: the prompt template's), and Qwen2.5-VL's special tokens (``<|im_start|>``, ``<|im_end|>``,
+    pad ``<|endoftext|>``, the vision markers)."""
     from transformers import Qwen2Tokenizer
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     byte_map = bytes_to_unicode()
     vocab = {c: i for i, c in enumerate(byte_map.values())}
     merges = []
-    for word in _TEMPLATE_WORDS:
+    for word in words:
         symbols = [byte_map[b] for b in word.encode("utf-8")]
         prefix = symbols[0]
         for s in symbols[1:]:
@@ -55,15 +55,20 @@ def tiny_qwen_image_pipeline(seed: int = 0, num_layers: int = 2, text_layers: in
     Images of H x W pixels (multiples of 8) have latents (4, H / 4, W / 4), packed into (H / 8) (W / 8) tokens of 16
     channels. Building it does not touch the global RNG.
     """
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        QwenImagePipeline,
-        QwenImageTransformer2DModel,
-    )
+    from diffusers import QwenImagePipeline
+
+    parts = tiny_qwen_image_components(_byte_level_qwen2_tokenizer(), seed, num_layers, text_layers)
+    pipe = QwenImagePipeline(**parts)
+    return _finish(pipe, (pipe.transformer, pipe.vae, pipe.text_encoder))
+
+
+def tiny_qwen_image_components(tokenizer, seed: int = 0, num_layers: int = 2, text_layers: int = 2) -> dict:
+    """The components of :func:`tiny_qwen_image_pipeline` (``scheduler``, ``vae``, ``text_encoder``, ``tokenizer``,
+    ``transformer``) around ``tokenizer``: the text encoder's vocabulary and special-token ids are the tokenizer's
+    (the Qwen-Image-Edit builder passes one made for its own template)."""
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    tokenizer = _byte_level_qwen2_tokenizer()
     ids = tokenizer.convert_tokens_to_ids
     hidden, z = 32, 4
     with torch.random.fork_rng(devices=[]):
@@ -89,6 +94,4 @@ def tiny_qwen_image_pipeline(seed: int = 0, num_layers: int = 2, text_layers: in
             latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 0.8, 1.2, 2.0],
         )
     scheduler = FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG)
-    pipe = QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
-                             transformer=transformer)
-    return _finish(pipe, (transformer, vae, text_encoder))
+    return dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer)

@@ -26,7 +26,7 @@ LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine
 
 #: ``experts``: which transformers of a multi-expert pipeline are trained (Wan2.2-A14B).
 EXPERTS = ("all", "high_noise", "low_noise")
-#: ``source_image_size``: the size an editing pipeline (FLUX.1 Kontext) encodes the source image at.
+#: ``source_image_size``: the size an editing pipeline (FLUX.1 Kontext, Qwen-Image-Edit) encodes the source image at.
 SOURCE_IMAGE_SIZES = ("auto", "source", "output")
 
 @dataclass
@@ -74,7 +74,7 @@ class FlowRLConfig:
     num_inference_steps: int = field(default=10, metadata={"help": "Sampling steps of the rollout (published: 10)."})
     guidance_scale: float = field(default=4.5, metadata={"help": "Guidance scale of the rollout and the update, >= 0, applied as the family's pipeline does (published SD3.5: 4.5): SD3 / Wan / Qwen-Image / FLUX.2 [klein] base: true CFG, <= 1 means one unguided pass; FLUX.1-dev / FLUX.2-dev: the distilled guidance embedding; Z-Image: any value > 0 guides (cond + g (cond - uncond)). docs/models.md, per family."})
     guidance_scale_2: float | None = field(default=None, metadata={"help": "Wan2.2-A14B: CFG scale of the low-noise expert (transformer_2), WanPipeline's guidance_scale_2 (guidance_scale then guides the high-noise expert; published: 4.0 high / 3.0 low). None: guidance_scale. Pipelines without transformer_2: leave None."})
-    source_image_size: str = field(default="auto", metadata={"help": "Image editing (FLUX.1 Kontext; a `source_image` dataset column): the size the source image is encoded at. `auto`: FluxKontextPipeline's default (`_auto_resize`), the preferred Kontext resolution nearest the source's aspect ratio (about 1 MP: 4096 source tokens next to 1024 generated ones at 512 px); `source`: the source's own size (multiple of 16); `output`: resized to height x width, as Flow-GRPO's Kontext training does. Other pipelines: leave `auto`."})
+    source_image_size: str = field(default="auto", metadata={"help": "Image editing (FLUX.1 Kontext, Qwen-Image-Edit; a `source_image` dataset column): the size the source image is encoded at. `auto`: the pipeline's default: FluxKontextPipeline's `_auto_resize`, the preferred Kontext resolution nearest the source's aspect ratio; Qwen-Image-Edit's 1024 x 1024 area at the source's aspect ratio (either about 1 MP: 4096 source tokens next to 1024 generated ones at 512 px); `source`: the source's own size (multiple of 16; Qwen-Image-Edit: its area); `output`: resized to height x width, as Flow-GRPO's Kontext training does (Qwen-Image-Edit: that area at the source's aspect ratio, Flow-Factory's `condition_image_size`). Other pipelines: leave `auto`."})
     height: int = field(default=512, metadata={"help": "Image height in pixels."})
     width: int = field(default=512, metadata={"help": "Image width in pixels."})
     num_frames: int = field(default=33, metadata={"help": "Frames per video for video pipelines (Wan: 4k + 1; published Wan2.1 recipe: 33 at 240x416). Image pipelines ignore it."})

@@ -1,0 +1,342 @@
+"""Qwen-Image-Edit (QwenImageEditPipeline, and QwenImageEditPlusPipeline for -2509) against its own pipeline, and
+every trainer on it.
+
+Tiny random pipelines (trl_flow.testing.qwen_image_edit), 32 x 32 px generated images (latents (4, 8, 8), 16
+tokens). The pipelines resize every source to 1 MP (16384 tokens of this VAE, ~25 s to encode on CPU), so the
+adapter runs with ``source_size="output"`` (32 x 32: 16 source tokens) and pipe() is compared with its source area
+set to the same (``pipe_area`` below); ``test_auto_source_is_the_pipelines_1mp_image`` checks the 1 MP rule itself
+on the inputs of the vision-language encoder and the VAE.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from conftest import HEIGHT, MAX_SEQ, WIDTH
+from PIL import Image
+from test_models_families import exported_trainers, family_config
+
+from trl_flow.models import get_adapter
+from trl_flow.models.qwen_image_edit import QwenImageEditAdapter, QwenImageEditPlusAdapter
+from trl_flow.testing import tiny_qwen_image_edit_pipeline
+
+PROMPTS = ["make it red", "add a dog", "green sky", "no car"]
+
+
+def source(seed, size=(WIDTH, HEIGHT)):
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+
+
+@pytest.fixture
+def edit_dataset(tmp_path):
+    """An editing dataset: prompts and source-image paths (files written in tmp_path)."""
+    from datasets import Dataset
+
+    paths = []
+    for i in range(len(PROMPTS)):
+        paths.append(str(tmp_path / f"src{i}.png"))
+        source(i).save(paths[-1])
+    return Dataset.from_dict({"prompt": PROMPTS, "source_image": paths})
+
+
+@pytest.fixture
+def pipe_area(monkeypatch):
+    """Both pipelines resize the source to HEIGHT x WIDTH's area instead of 1024 x 1024's (what the adapter does
+    with source_size="output"); every other step of pipe() is unchanged."""
+    import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit as edit
+    import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus as plus
+
+    rule = edit.calculate_dimensions
+    monkeypatch.setattr(edit, "calculate_dimensions",
+                        lambda area, ratio: rule(HEIGHT * WIDTH if area == 1024 * 1024 else area, ratio))
+    monkeypatch.setattr(plus, "VAE_IMAGE_SIZE", HEIGHT * WIDTH)
+
+
+def make_adapter(plus=False, **kwargs):
+    cls = QwenImageEditPlusAdapter if plus else QwenImageEditAdapter
+    return cls(tiny_qwen_image_edit_pipeline(plus=plus), source_size="output", **kwargs)
+
+
+def brightness(images, prompts, **columns):
+    return images.mean(dim=(1, 2, 3))
+
+
+def edit_config(config_class, tmp_path, **overrides):
+    return family_config(config_class, tmp_path, "qwen", **overrides)  # guidance_scale 4.5: true CFG, two passes
+
+
+def lora_params(trainer):
+    return {n: p.detach().clone() for n, p in trainer.pipe.transformer.named_parameters() if "lora_" in n}
+
+
+# ------------------------------------------------------------------------------------------- pipeline parity
+@pytest.mark.parametrize("true_cfg_scale", [1.0, 4.0], ids=["plain", "true-cfg"])
+@pytest.mark.parametrize("plus", [False, True], ids=["edit", "edit-plus"])
+def test_ode_rollout_reproduces_pipeline_exactly(pipe_area, plus, true_cfg_scale):
+    """Per source: the `ode` kernel from the adapter's noise ends exactly where
+    pipe(image=..., prompt=..., output_type="latent") ends, with the source's tokens after the generated ones in
+    every transformer call and the same number of passes (two with true CFG); decode is exactly the pipeline's
+    output_type="pt" image."""
+    from trl_flow.rollout import sample_trajectories
+
+    pipe = tiny_qwen_image_edit_pipeline(plus=plus)
+    adapter = get_adapter(pipe, source_size="output", output_size=(HEIGHT, WIDTH))
+    assert type(adapter) is (QwenImageEditPlusAdapter if plus else QwenImageEditAdapter)
+    K, guided = 3, true_cfg_scale > 1
+    passes = []
+    hook = pipe.transformer.register_forward_hook(
+        lambda m, a, kw, o: passes.append((kw["hidden_states"].shape[1], kw["img_shapes"])), with_kwargs=True)
+    for i, prompt in enumerate(PROMPTS[:2]):
+        src = source(i)
+        call = dict(image=src, prompt=prompt, height=HEIGHT, width=WIDTH, num_inference_steps=K,
+                    true_cfg_scale=true_cfg_scale, negative_prompt=" " if guided else None,
+                    max_sequence_length=MAX_SEQ)
+        expected = pipe(generator=torch.Generator().manual_seed(i), output_type="latent", **call).images
+        decoded = pipe(generator=torch.Generator().manual_seed(i), output_type="pt", **call).images
+        pipe_passes, passes[:] = passes[: len(passes) // 2], []
+        noise = adapter.initial_noise(1, HEIGHT, WIDTH, torch.Generator().manual_seed(i))
+        with torch.no_grad():
+            embeds = adapter.encode_prompts([prompt], guided, MAX_SEQ, images=[src])
+        assert embeds["image_latents"].shape == (1, 4, HEIGHT // 4, WIDTH // 4)
+        assert ("negative_prompt_embeds" in embeds) == guided
+        traj = sample_trajectories(adapter, pipe.transformer, embeds, noise, adapter.schedule(K, HEIGHT, WIDTH),
+                                   ["ode"] * K, 0.0, true_cfg_scale, batch_size=1)
+        final = traj["states"][:, -1]
+        assert torch.equal(adapter.pack(final), expected)
+        with torch.no_grad():
+            assert torch.equal(adapter.decode(final), decoded)
+        assert passes == pipe_passes and len(passes) == K * (2 if guided else 1)
+        assert {p[0] for p in passes} == {16 + 16}  # 16 generated tokens, then the source's 16
+        assert passes[0][1] == [[(1, 4, 4), (1, 4, 4)]]
+        passes[:] = []
+    hook.remove()
+
+
+@pytest.mark.parametrize("plus", [False, True], ids=["edit", "edit-plus"])
+def test_auto_source_is_the_pipelines_1mp_image(plus):
+    """source_size="auto" (the default): the vision-language encoder gets the same pixels (and grid) and the VAE the
+    same (1, 3, 1, h, w) input as in pipe() at its 1 MP rule, for a non-square source (pipe() is stopped at the VAE;
+    encoding 1 MP with the tiny VAE takes ~25 s). The Plus pipeline shows the VL encoder a 384 x 384-area image."""
+    pipe = tiny_qwen_image_edit_pipeline(plus=plus)
+    adapter = get_adapter(pipe)
+    assert adapter.source_size == "auto" and adapter.conditioning == "text_and_image"
+    src = source(5, (40, 24))
+    seen = {"vl": [], "vae": []}
+
+    class Stop(Exception):
+        pass
+
+    def at_vae(module, args):
+        seen["vae"].append(args[0].clone())
+        raise Stop
+
+    hooks = [pipe.text_encoder.register_forward_pre_hook(
+        lambda m, a, kw: seen["vl"].append((kw["pixel_values"].clone(), kw["image_grid_thw"].clone())),
+        with_kwargs=True), pipe.vae.encoder.register_forward_pre_hook(at_vae)]
+    with pytest.raises(Stop):
+        pipe(image=src, prompt="make it red", true_cfg_scale=1.0, num_inference_steps=1, output_type="latent")
+    (pixels, grid), = seen["vl"]
+    vl_image, vae_image = adapter.source_inputs(src)
+    with torch.no_grad():
+        adapter._encode_vl("make it red", vl_image)
+    for h in hooks:
+        h.remove()
+    assert torch.equal(seen["vl"][1][0], pixels) and torch.equal(seen["vl"][1][1], grid)
+    assert torch.equal(vae_image, seen["vae"][0])
+    assert vae_image.shape == (1, 3, 1, 800, 1312)  # calculate_dimensions(1024 * 1024, 40 / 24)
+    assert adapter.source_size_of(src) == ((800, 1312), (288, 480) if plus else (800, 1312))
+
+
+def test_source_conditions_and_embeds_index_and_concatenate():
+    """The source is conditioning: another source gives another velocity (image latents and the VL prompt both);
+    a sample's embeddings do not depend on its batch (encoded alone == row of a batch, bit for bit), they index and
+    concatenate like the text's, and a repeated (prompt, source) pair is encoded once."""
+    from trl_flow.models import cat_embeds, index_embeds
+
+    adapter = make_adapter(output_size=(HEIGHT, WIDTH))
+    srcs = [source(0), source(1)]
+    calls = []
+    hook = adapter.pipe.text_encoder.register_forward_hook(lambda *a: calls.append(1))
+    with torch.no_grad():
+        both = adapter.encode_prompts(PROMPTS[:2] + PROMPTS[:1], True, MAX_SEQ, images=srcs + srcs[:1])
+        assert len(calls) == 2 * 2  # two distinct pairs, conditional and negative
+        one = adapter.encode_prompts(PROMPTS[1:2], True, MAX_SEQ, images=srcs[1:])
+    hook.remove()
+    for k in both:
+        assert torch.equal(index_embeds(both, [1])[k], one[k]), k
+        assert torch.equal(both[k][0], both[k][2]), k
+    assert torch.equal(cat_embeds([index_embeds(both, [0]), one])["image_latents"], both["image_latents"][:2])
+    x = adapter.initial_noise(1, HEIGHT, WIDTH, torch.Generator().manual_seed(0)).repeat(2, 1, 1, 1)
+    t = adapter.schedule(3, HEIGHT, WIDTH).timesteps[1]
+    two = index_embeds(both, [0, 1])
+    with torch.no_grad():
+        v = adapter.velocity(adapter.transformer, x, t, two, 4.5)
+        v_latents = adapter.velocity(adapter.transformer, x, t, dict(two, image_latents=two["image_latents"].flip(0)), 4.5)
+        other_vl = dict(two, prompt_embeds=two["prompt_embeds"].flip(0), prompt_embeds_mask=two["prompt_embeds_mask"])
+        v_vl = adapter.velocity(adapter.transformer, x, t, other_vl, 4.5)
+    assert not torch.allclose(v, v_latents) and not torch.allclose(v, v_vl)
+
+
+def test_bad_sources_options_and_long_prompts():
+    adapter = make_adapter(output_size=(HEIGHT, WIDTH))
+    with pytest.raises(ValueError, match="needs images= with one source image per prompt"):
+        adapter.encode_prompts(PROMPTS[:2], False, MAX_SEQ)
+    with pytest.raises(ValueError, match="source_size='big'"):
+        QwenImageEditAdapter(tiny_qwen_image_edit_pipeline(), source_size="big")
+    auto = QwenImageEditAdapter(tiny_qwen_image_edit_pipeline())
+    with pytest.raises(ValueError, match=r"mixes conditioning sizes \[\(800, 1312\), \(1024, 1024\)\]"):
+        auto.encode_prompts(PROMPTS[:2], False, MAX_SEQ, images=[source(0), source(1, (40, 24))])
+    with pytest.raises(ValueError, match=r"a 400x4 px source at source_size='output' is resized to"):
+        adapter.source_size_of((400, 4))
+    long = "a dog " * 10
+    n = len(adapter.pipe.tokenizer(long).input_ids)
+    assert n > MAX_SEQ
+    with pytest.warns(UserWarning, match=rf"a prompt has {n} tokens, more than max_sequence_length=16.*does not cut"):
+        with torch.no_grad():
+            cut = adapter.encode_prompts(["a cat", long], False, MAX_SEQ, images=[source(0), source(0)])
+    assert cut["prompt_embeds_mask"].sum(dim=1).tolist()[1] == cut["prompt_embeds"].shape[1]  # cut to the stored length
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            adapter.encode_prompts([long], False, MAX_SEQ, images=[source(0)])  # reported once
+
+
+# ---------------------------------------------------------------------------------------- every trainer
+@pytest.mark.parametrize("trainer_class", exported_trainers(), ids=lambda c: c.__name__)
+def test_every_trainer_trains_on_qwen_image_edit(tmp_path, edit_dataset, trainer_class):
+    """Two iterations on an editing dataset (paths), true CFG: losses finite, the LoRA moves; every reward call gets
+    the images and the decoded sources (B, 3, H, W) float32 at the generated size, matching the prompts' rows."""
+    from trl_flow.editing import load_source, source_tensor
+
+    expected = {p: source_tensor([load_source(s, 0, "source_image")], HEIGHT, WIDTH)[0]
+                for p, s in zip(edit_dataset["prompt"], edit_dataset["source_image"])}
+    seen = []
+
+    def reward(images, prompts, source_image=None, **columns):
+        assert source_image.dtype == torch.float32 and source_image.shape == images.shape
+        assert all(torch.equal(source_image[i], expected[p]) for i, p in enumerate(prompts))
+        seen.append(len(prompts))
+        return 1 - (images - source_image).abs().mean(dim=(1, 2, 3))
+
+    config = edit_config(trainer_class.config_class, tmp_path, source_image_size="output")
+    trainer = trainer_class(config, tiny_qwen_image_edit_pipeline(), [reward], train_dataset=edit_dataset)
+    assert isinstance(trainer.adapter, QwenImageEditAdapter) and trainer.adapter.source_size == "output"
+    before = lora_params(trainer)
+    assert before and all(".to_" in n for n in before)
+    state = trainer.train()
+    assert sum(seen) >= 2 + 2 * 8  # the start-up check, then every sample of both iterations
+    assert len(state.log_history) == 2
+    for entry in state.log_history:
+        assert entry.get("ratio_first_max_dev", 0.0) == 0.0
+        assert torch.isfinite(torch.tensor(entry["loss"])) and entry["nonfinite_skipped"] == 0
+    after = lora_params(trainer)
+    assert any(not torch.equal(before[n], after[n]) for n in before)
+
+
+# ----------------------------------------------------------------------------------- LoRA, resume, bad input
+@pytest.mark.parametrize("plus", [False, True], ids=["edit", "edit-plus"])
+def test_lora_round_trips_through_the_pipeline_loader(tmp_path, edit_dataset, pipe_area, plus):
+    """save_model -> a fresh pipeline's load_lora_weights -> exactly the trained pipeline's edits (true CFG)."""
+    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
+
+    config = edit_config(FlowGRPOConfig, tmp_path, max_steps=1, beta=0.0)
+    trainer = FlowGRPOTrainer(config, make_adapter(plus), [brightness], train_dataset=edit_dataset)
+    trainer.train()
+    out = trainer.save_model(str(tmp_path / "final"))
+    fresh = tiny_qwen_image_edit_pipeline(plus=plus)
+    call = dict(image=source(0), prompt="make it red", negative_prompt=" ", true_cfg_scale=4.5, height=HEIGHT,
+                width=WIDTH, num_inference_steps=3, max_sequence_length=MAX_SEQ, output_type="latent")
+
+    def run(pipe):
+        with torch.no_grad():
+            return pipe(generator=torch.Generator().manual_seed(0), **call).images
+
+    base = run(fresh)
+    fresh.load_lora_weights(out)
+    loaded, trained = run(fresh), run(trainer.pipe)
+    assert torch.equal(loaded, trained) and (loaded - base).abs().max() > 1e-4
+    assert set(fresh.transformer.peft_config["default_0"].target_modules) == {"to_k", "to_q", "to_v", "to_out.0"}
+    assert type(fresh).__name__ in trainer.adapter.lora_load_code("me/lora")
+
+
+def test_resume_repeats_an_uninterrupted_run(tmp_path, edit_dataset):
+    """3 iterations straight == 1, checkpoint, a fresh trainer and pipeline resumed for 2 more: LoRA, EMA and
+    logged values bit for bit (the sources are re-read from the dataset on resume)."""
+    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
+
+    def run(name, max_steps, resume=None, **kw):
+        config = edit_config(FlowGRPOConfig, tmp_path, output_dir=str(tmp_path / name), max_steps=max_steps,
+                             ema_decay=0.9, prompts_per_step=2, learning_rate=3e-3, source_image_size="output", **kw)
+        trainer = FlowGRPOTrainer(config, tiny_qwen_image_edit_pipeline(), [brightness], train_dataset=edit_dataset)
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    straight = run("a", 3)
+    run("b", 1, save_steps=1)
+    torch.manual_seed(1234)
+    resumed = run("b", 3, resume=str(tmp_path / "b" / "checkpoint-1"), save_steps=1)
+    assert resumed.state.global_step == 3
+    wa, wb = lora_params(straight), lora_params(resumed)
+    assert wa.keys() == wb.keys() and wa and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert all(torch.equal(a, b) for a, b in zip(straight.ema.shadow_params, resumed.ema.shadow_params))
+    keys = ("loss", "reward", "kl", "ratio_max")
+    assert [[e[k] for k in keys] for e in resumed.state.log_history[1:]] == [
+        [e[k] for k in keys] for e in straight.state.log_history[1:]]
+
+
+@pytest.mark.parametrize("bad,match", [
+    ("missing", r"train_dataset: row 2, column `source_image`: image file '.*nope.png' not found"),
+    ("garbage", r"train_dataset: row 2, column `source_image`: '.*bad.png' is not a readable image"),
+    ("shape", r"train_dataset: row 2, column `source_image`: an image array must be \(H, W, 3\), \(3, H, W\) or "
+              r"\(H, W\), got shape \(4, 4, 4\)"),
+    ("aspect", r"train_dataset, column `source_image`: rows 0 \(32x32 px\) and 2 \(96x32 px\) are encoded at "
+               r"different sizes \(1024x1024 and 1760x576, source_size='auto'\)"),
+])
+def test_bad_source_images_are_refused_before_any_compute(tmp_path, edit_dataset, bad, match):
+    """A missing / unreadable / malformed source, or one of another aspect ratio: one line naming the row and the
+    column, raised when the trainer is built, before the text encoder, the transformer or any reward runs."""
+    from datasets import Dataset
+
+    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
+
+    rows = edit_dataset.to_dict()
+    if bad == "missing":
+        rows["source_image"][2] = str(tmp_path / "nope.png")
+    elif bad == "garbage":
+        (tmp_path / "bad.png").write_bytes(b"not an image")
+        rows["source_image"][2] = str(tmp_path / "bad.png")
+    elif bad == "shape":
+        rows = {"prompt": PROMPTS, "source_image": [np.zeros((32, 32, 3), np.uint8)] * 4}
+        rows["source_image"][2] = np.zeros((4, 4, 4), np.uint8)
+    else:
+        source(9, (96, 32)).save(tmp_path / "wide.png")
+        rows["source_image"][2] = str(tmp_path / "wide.png")
+    calls = []
+    pipe = tiny_qwen_image_edit_pipeline()
+    hooks = [m.register_forward_hook(lambda *a: calls.append("model")) for m in (pipe.transformer, pipe.text_encoder)]
+    with pytest.raises(ValueError, match=match) as e:
+        FlowGRPOTrainer(edit_config(FlowGRPOConfig, tmp_path), pipe,
+                        [lambda im, p, **k: calls.append("reward") or [0.0] * len(p)],
+                        train_dataset=Dataset.from_dict(rows))
+    for h in hooks:
+        h.remove()
+    assert calls == [] and "\n" not in str(e.value)
+
+
+def test_recipe_is_qwen_image_edit():
+    """The GPU recipe names the real Hub id, true CFG 4, and LoRA targets each of which matches modules of the
+    transformer (a misspelt target would be silently left out by PEFT when others match)."""
+    import yaml
+
+    from trl_flow import cli
+
+    with open(cli.shipped("recipes")["qwen_image_edit_flow_grpo"]) as f:
+        recipe = yaml.safe_load(f)
+    assert recipe["model_name_or_path"] == "Qwen/Qwen-Image-Edit" and recipe["guidance_scale"] == 4.0
+    names = [n for n, _ in tiny_qwen_image_edit_pipeline().transformer.named_modules()]
+    for target in recipe["lora_target_modules"]:
+        assert sum(n.endswith("." + target) for n in names) == 2, target  # once per block (2 blocks)
