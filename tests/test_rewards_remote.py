@@ -245,6 +245,86 @@ def test_reward_server_command_serves_the_shapes_detector():
         proc.wait(timeout=20)
 
 
+def test_a_served_editing_reward_receives_the_same_sources():
+    """An editing run's source_image (B, 3, H, W) goes to the server as PNGs (`source_images`, split with the
+    batches) and reaches the served reward as its source_image= exactly (8-bit values), whatever columns are
+    chosen; the scores equal the reward called locally. A wrong count is refused (422), the pixel limit counts
+    the sources too (413), and a `source_image` JSON column is refused."""
+    from trl_flow.rewards import edit_preservation
+
+    received = []
+
+    def recording(images, prompts, source_image=None, **columns):
+        received.append((list(prompts), source_image))
+        if source_image is None:
+            return [0.0] * len(prompts)
+        return edit_preservation()(images, prompts, source_image=source_image)
+
+    recording.__name__ = "recording"
+    sources = _quantised(torch.rand(7, 3, 16, 12, generator=torch.Generator().manual_seed(3)))
+    local = edit_preservation()(_quantised(IMAGES), PROMPTS, source_image=sources)
+    with serve_app(build_app(recording)) as url, serve_app(build_app(brightness_plus, max_request_pixels=600)) as small:
+        got = RemoteReward(url, batch_size=3, columns=[])(IMAGES, PROMPTS, source_image=sources)
+        assert np.allclose(got, local, atol=1e-6)
+        assert [p for p, _ in received] == [PROMPTS[:3], PROMPTS[3:6], PROMPTS[6:]]
+        assert torch.equal(torch.cat([s for _, s in received]), sources)
+        received.clear()
+        RemoteReward(url)(IMAGES[:2], PROMPTS[:2])  # a text-to-image run sends none
+        assert received[0][1] is None
+        t = RemoteReward(url).transport
+        ok = encode_images(IMAGES[:2])
+        for payload, status, text in [
+            ({"schema_version": 1, "images": ok, "prompts": ["a", "b"], "source_images": ok[:1]}, 422,
+             "1 source_images for 2 prompts"),
+            ({"schema_version": 1, "images": ok, "prompts": ["a", "b"], "columns": {"source_image": [1, 2]}}, 422,
+             "send the source images as `source_images`"),
+            ({"schema_version": 1, "images": ok, "prompts": ["a", "b"], "source_images": [ok[0], "@@"]}, 400,
+             "source_images[1]: not a base64 PNG"),
+        ]:
+            code, body = t.request(url + "/score", payload)
+            assert code == status and text in json.dumps(json.loads(body)["detail"]), body
+        assert len(RemoteReward(small)(IMAGES[:3], PROMPTS[:3])) == 3  # 576 pixels: under the limit
+        with pytest.raises(RemoteRewardError, match=r"HTTP 413.*3 images and 3 source images has 1152 pixels"):
+            RemoteReward(small)(IMAGES[:3], PROMPTS[:3], source_image=sources[:3])
+
+
+def test_an_editing_run_scores_through_a_served_reward(tmp_path):
+    """A trainer on an editing dataset (tiny FLUX.1 Kontext) with a served reward: the server's reward gets, for
+    every sample, the same source_image as a local reward of the same run."""
+    from datasets import Dataset
+    from PIL import Image
+
+    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
+    from trl_flow.models.flux_kontext import FluxKontextAdapter
+    from trl_flow.testing import tiny_flux_kontext_pipeline
+
+    paths = []
+    for i in range(2):
+        paths.append(str(tmp_path / f"src{i}.png"))
+        Image.fromarray(np.random.default_rng(i).integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(paths[-1])
+    dataset = Dataset.from_dict({"prompt": ["make it red", "add a dog"], "source_image": paths})
+    local, served = [], []
+
+    def recorder(into, name):
+        def reward(images, prompts, source_image=None, **columns):
+            into.extend(zip(prompts, source_image))
+            return [0.0] * len(prompts)
+
+        reward.__name__ = name
+        return reward
+
+    config = FlowGRPOConfig(output_dir=str(tmp_path / "out"), max_steps=1, num_generations=2, prompts_per_step=2,
+                            per_device_train_batch_size=2, height=32, width=32, max_sequence_length=16,
+                            num_inference_steps=2, guidance_scale=2.5, lora_r=4, lora_alpha=8, disable_tqdm=True)
+    with serve_app(build_app(recorder(served, "served"))) as url:
+        trainer = FlowGRPOTrainer(config, FluxKontextAdapter(tiny_flux_kontext_pipeline(), source_size="source"),
+                                  [recorder(local, "local"), RemoteReward(url, batch_size=3)], train_dataset=dataset)
+        trainer.train()
+    assert len(served) == len(local) == 2 + 4  # the start-up check, then the iteration's 4 samples
+    for (p1, s1), (p2, s2) in zip(local, served):
+        assert p1 == p2 and torch.equal(s1, s2)
+
+
 def test_server_arg_parser_defaults_to_loopback():
     args = build_arg_parser().parse_args(["--reward", "pickscore"])
     assert args.host == "127.0.0.1" and args.reward_kwargs == "{}" and args.max_request_mb == 64.0

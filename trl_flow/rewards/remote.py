@@ -127,7 +127,9 @@ class RemoteReward:
         url: one server URL or a list, used round-robin (batches go to the servers in parallel).
         name: the name the reward is logged under.
         batch_size: images per request.
-        columns: dataset columns to send (default all); each value must be JSON-serialisable.
+        columns: dataset columns to send (default all); each value must be JSON-serialisable. An editing run's
+            ``source_image`` (B, 3, H, W) is not a column: it is always sent, as PNGs (``source_images``), and the
+            served reward gets it as its ``source_image=`` (8-bit, as the images).
         timeout, max_retries, backoff: see :class:`HTTPTransport`.
     """
 
@@ -206,7 +208,7 @@ class RemoteReward:
         return out
 
     def _columns(self, columns: dict, n: int) -> dict[str, list]:
-        names = list(columns) if self.columns is None else self.columns
+        names = [k for k in (list(columns) if self.columns is None else self.columns) if k != "source_image"]
         out = {}
         for k in names:
             if k not in columns:
@@ -225,8 +227,16 @@ class RemoteReward:
         prompts = list(prompts)
         n = len(prompts)
         images = check_images(images, n, f"reward {self.__name__!r}")
+        source = columns.pop("source_image", None)  # an editing run: sent as PNGs, not as a JSON column
         cols = self._columns(columns, n)
         encoded = encode_images(images)
+        sources = None
+        if source is not None:
+            source = check_images(source, n, f"reward {self.__name__!r} (source_image)")
+            if source.ndim != 4:
+                raise ValueError(f"reward {self.__name__!r}: source_image must be (B, 3, H, W), got "
+                                 f"{tuple(source.shape)}")
+            sources = encode_images(source)
         spans = [(lo, min(lo + self.batch_size, n)) for lo in range(0, n, self.batch_size)]
         start = self.transport.next_start()
 
@@ -234,6 +244,8 @@ class RemoteReward:
             lo, hi = spans[i]
             payload = {"schema_version": SCHEMA_VERSION, "images": encoded[lo:hi], "prompts": prompts[lo:hi],
                        "columns": {k: v[lo:hi] for k, v in cols.items()}}
+            if sources is not None:
+                payload["source_images"] = sources[lo:hi]
             url, answer = self.transport.post(payload, start=start + i)
             try:
                 return parse_scores(answer, hi - lo, url)

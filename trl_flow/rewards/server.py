@@ -21,7 +21,7 @@ import math
 import threading
 from typing import Any
 
-from .wire import MAX_IMAGE_PIXELS, MAX_REQUEST_PIXELS, SCHEMA_VERSION, TooManyPixels, decode_images
+from .wire import MAX_IMAGE_PIXELS, MAX_REQUEST_PIXELS, SCHEMA_VERSION, TooManyPixels, decode_request
 
 logger = logging.getLogger(__name__)
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -63,6 +63,8 @@ def build_app(reward, name: str | None = None, max_request_bytes: int = 64 * 2**
         prompts: list[str] = Field(description="One prompt per sample.")
         columns: dict[str, list[Any]] = Field(default_factory=dict, description="Other dataset columns, one JSON "
                                                                                 "value per sample.")
+        source_images: list[str] | None = Field(default=None, description="An editing run's source images, one "
+                                                "base64 PNG per sample (the reward's `source_image=`).")
 
     class ScoreResponse(BaseModel):
         schema_version: int
@@ -111,14 +113,19 @@ def build_app(reward, name: str | None = None, max_request_bytes: int = 64 * 2**
         for k, v in req.columns.items():
             if len(v) != n:
                 raise HTTPException(422, f"column {k!r} has {len(v)} values for {n} prompts")
+        if req.source_images is not None and len(req.source_images) != n:
+            raise HTTPException(422, f"got {len(req.source_images)} source_images for {n} prompts")
+        if "source_image" in req.columns:
+            raise HTTPException(422, "column 'source_image': send the source images as `source_images` (PNGs)")
         try:
-            images = decode_images(req.images, max_image_pixels, max_request_pixels)
+            images, sources = decode_request(req.images, req.source_images, max_image_pixels, max_request_pixels)
         except TooManyPixels as e:
             raise HTTPException(413, str(e)) from None
         except ValueError as e:
             raise HTTPException(400, str(e)) from None
+        columns = req.columns if sources is None else {**req.columns, "source_image": sources}
         try:
-            scores = await run_in_threadpool(run_reward, images, req.prompts, req.columns)
+            scores = await run_in_threadpool(run_reward, images, req.prompts, columns)
         except RuntimeError as e:  # names the reward and the error
             logger.exception("reward %s failed", name)
             raise HTTPException(500, str(e)) from None

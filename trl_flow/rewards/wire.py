@@ -6,7 +6,9 @@
      "images":  [PNG, ...]              # one base64 PNG (RGB, 8 bit) per sample, or per sample a list of
                                         # frame PNGs for video; every image of a request has the same size
      "prompts": ["...", ...],           # one per sample
-     "columns": {"name": [v, ...]}}     # optional: other dataset columns, one JSON value per sample
+     "columns": {"name": [v, ...]},     # optional: other dataset columns, one JSON value per sample
+     "source_images": [PNG, ...]}       # optional: an editing run's source images (the reward's `source_image=`),
+                                        # one base64 PNG per sample, all of one size (the generated one)
 
 answer: ``{"schema_version": 1, "reward": NAME, "scores": [float | null, ...]}`` (one per sample, null = no
 score). ``GET /health`` answers ``{"status": "ok", "schema_version": 1, "reward": NAME}``. Errors answer an HTTP
@@ -74,41 +76,74 @@ def _pixels(im, where: str) -> np.ndarray:
         raise ValueError(f"{where}: broken PNG ({e})") from None
 
 
-def decode_images(items: list, max_pixels: int = MAX_IMAGE_PIXELS,
-                  max_total_pixels: int | None = MAX_REQUEST_PIXELS) -> torch.Tensor:
-    """The inverse of :func:`encode_images`: float32 (B, 3, H, W) or (B, F, 3, H, W) in [0, 1]. Raises
-    ``ValueError`` naming the offending entry, and :class:`TooManyPixels` when the images (every frame counted)
-    have more than ``max_total_pixels`` pixels in all. Both limits are checked on the PNG headers of every image
-    before any pixel is decoded."""
-    if not items:
-        return torch.zeros(0, 3, 1, 1)
+def _open_all(items: list, field: str, max_pixels: int) -> tuple[list, int, bool]:
+    """Every PNG of ``items`` opened lazily (headers only): per sample a list of (where, image), the pixels in all
+    (every frame counted) and whether the items are videos."""
     video = isinstance(items[0], list)
     opened = []  # (where, lazily opened PNG) per image, or per sample a list of frames
     total = 0
     for i, item in enumerate(items):
         if isinstance(item, list) != video:
-            raise ValueError(f"images[{i}]: mixes single images and videos (lists of frames) in one request")
+            raise ValueError(f"{field}[{i}]: mixes single images and videos (lists of frames) in one request")
         if video:
             if not item:
-                raise ValueError(f"images[{i}]: a video needs at least one frame")
-            frames = [(f"images[{i}][{j}]", _open_png(f, f"images[{i}][{j}]", max_pixels)) for j, f in enumerate(item)]
+                raise ValueError(f"{field}[{i}]: a video needs at least one frame")
+            frames = [(f"{field}[{i}][{j}]", _open_png(f, f"{field}[{i}][{j}]", max_pixels))
+                      for j, f in enumerate(item)]
         else:
-            frames = [(f"images[{i}]", _open_png(item, f"images[{i}]", max_pixels))]
+            frames = [(f"{field}[{i}]", _open_png(item, f"{field}[{i}]", max_pixels))]
         total += sum(im.size[0] * im.size[1] for _, im in frames)
         opened.append(frames)
-    if max_total_pixels is not None and total > max_total_pixels:
-        raise TooManyPixels(
-            f"request of {len(items)} {'videos' if video else 'images'} has {total} pixels in all, over the limit of "
-            f"{max_total_pixels} pixels per request; send smaller batches (RemoteReward(batch_size=...), or "
-            "?batch_size= in a --reward_funcs URL) or start the server with a larger --max-request-pixels")
+    return opened, total, video
+
+
+def _decode_all(opened: list, video: bool, field: str) -> torch.Tensor:
     arrays = []
     for frames in opened:
         decoded = [_pixels(im, where) for where, im in frames]
         arrays.append(np.stack(decoded) if video else decoded[0])
     shapes = {a.shape for a in arrays}
     if len(shapes) > 1:
-        raise ValueError(f"images: all images of a request must have the same size (and frame count), got {shapes}")
+        raise ValueError(f"{field}: all images of a request must have the same size (and frame count), got {shapes}")
     return torch.from_numpy(np.stack(arrays)).float().div_(255.0)
+
+
+def _too_many(what: str, total: int, max_total_pixels: int) -> TooManyPixels:
+    return TooManyPixels(
+        f"request of {what} has {total} pixels in all, over the limit of {max_total_pixels} pixels per request; "
+        "send smaller batches (RemoteReward(batch_size=...), or ?batch_size= in a --reward_funcs URL) or start the "
+        "server with a larger --max-request-pixels")
+
+
+def decode_images(items: list, max_pixels: int = MAX_IMAGE_PIXELS,
+                  max_total_pixels: int | None = MAX_REQUEST_PIXELS) -> torch.Tensor:
+    """The inverse of :func:`encode_images`: float32 (B, 3, H, W) or (B, F, 3, H, W) in [0, 1]. Raises
+    ``ValueError`` naming the offending entry, and :class:`TooManyPixels` when the images (every frame counted)
+    have more than ``max_total_pixels`` pixels in all. Both limits are checked on the PNG headers of every image
+    before any pixel is decoded."""
+    return decode_request(items, None, max_pixels, max_total_pixels)[0]
+
+
+def decode_request(items: list, source_items: list | None, max_pixels: int = MAX_IMAGE_PIXELS,
+                   max_total_pixels: int | None = MAX_REQUEST_PIXELS) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A request's ``images`` and ``source_images`` (None: none sent), as :func:`decode_images` decodes them; the
+    pixel limit counts both, checked on the PNG headers before any pixel is decoded. The sources must be single
+    images (B, 3, H, W)."""
+    if not items:
+        return torch.zeros(0, 3, 1, 1), None if source_items is None else torch.zeros(0, 3, 1, 1)
+    opened, total, video = _open_all(items, "images", max_pixels)
+    what = f"{len(items)} {'videos' if video else 'images'}"
+    sources = None
+    if source_items is not None:
+        sources, source_total, source_video = _open_all(source_items, "source_images", max_pixels)
+        if source_video:
+            raise ValueError("source_images: one PNG per sample, not lists of frames")
+        total += source_total
+        what += f" and {len(source_items)} source images"
+    if max_total_pixels is not None and total > max_total_pixels:
+        raise _too_many(what, total, max_total_pixels)
+    return (_decode_all(opened, video, "images"),
+            None if sources is None else _decode_all(sources, False, "source_images"))
 
 
 def parse_scores(answer, n: int, where: str) -> list[float | None]:
