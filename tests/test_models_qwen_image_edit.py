@@ -237,6 +237,24 @@ def test_every_trainer_trains_on_qwen_image_edit(tmp_path, edit_dataset, trainer
     assert any(not torch.equal(before[n], after[n]) for n in before)
 
 
+def test_evaluate_and_generate_condition_on_the_eval_sources(tmp_path, edit_dataset):
+    """evaluate() samples each eval prompt with its own source; generate(columns=...) equals it, and swapping the
+    sources changes the images."""
+    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
+
+    config = edit_config(FlowGRPOConfig, tmp_path, max_steps=1, source_image_size="output")
+    trainer = FlowGRPOTrainer(config, tiny_qwen_image_edit_pipeline(), [brightness], train_dataset=edit_dataset,
+                              eval_dataset=edit_dataset.select([0, 1]))
+    m = trainer.evaluate()
+    rows = edit_dataset.select([0, 1])[:]
+    images, _ = trainer.generate(rows["prompt"], seed=config.seed + 10_007,
+                                 columns={"source_image": rows["source_image"]})
+    assert torch.equal(images, trainer.last_eval_images) and np.isfinite(m["eval/reward"])
+    swapped, _ = trainer.generate(rows["prompt"], seed=config.seed + 10_007,
+                                  columns={"source_image": rows["source_image"][::-1]})
+    assert not torch.allclose(images, swapped)
+
+
 # ----------------------------------------------------------------------------------- LoRA, resume, bad input
 @pytest.mark.parametrize("plus", [False, True], ids=["edit", "edit-plus"])
 def test_lora_round_trips_through_the_pipeline_loader(tmp_path, edit_dataset, pipe_area, plus):
