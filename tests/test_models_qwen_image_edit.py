@@ -56,9 +56,11 @@ def pipe_area(monkeypatch):
     monkeypatch.setattr(plus, "VAE_IMAGE_SIZE", HEIGHT * WIDTH)
 
 
-def make_adapter(plus=False, **kwargs):
-    cls = QwenImageEditPlusAdapter if plus else QwenImageEditAdapter
-    return cls(tiny_qwen_image_edit_pipeline(plus=plus), source_size="output", **kwargs)
+ADAPTERS = {"edit": QwenImageEditAdapter, "plus": QwenImageEditPlusAdapter}
+
+
+def make_adapter(variant="edit", **kwargs):
+    return ADAPTERS[variant](tiny_qwen_image_edit_pipeline(variant=variant), source_size="output", **kwargs)
 
 
 def brightness(images, prompts, **columns):
@@ -75,17 +77,17 @@ def lora_params(trainer):
 
 # ------------------------------------------------------------------------------------------- pipeline parity
 @pytest.mark.parametrize("true_cfg_scale", [1.0, 4.0], ids=["plain", "true-cfg"])
-@pytest.mark.parametrize("plus", [False, True], ids=["edit", "edit-plus"])
-def test_ode_rollout_reproduces_pipeline_exactly(pipe_area, plus, true_cfg_scale):
+@pytest.mark.parametrize("variant", ["edit", "plus"])
+def test_ode_rollout_reproduces_pipeline_exactly(pipe_area, variant, true_cfg_scale):
     """Per source: the `ode` kernel from the adapter's noise ends exactly where
     pipe(image=..., prompt=..., output_type="latent") ends, with the source's tokens after the generated ones in
     every transformer call and the same number of passes (two with true CFG); decode is exactly the pipeline's
     output_type="pt" image."""
     from trl_flow.rollout import sample_trajectories
 
-    pipe = tiny_qwen_image_edit_pipeline(plus=plus)
+    pipe = tiny_qwen_image_edit_pipeline(variant=variant)
     adapter = get_adapter(pipe, source_size="output", output_size=(HEIGHT, WIDTH))
-    assert type(adapter) is (QwenImageEditPlusAdapter if plus else QwenImageEditAdapter)
+    assert type(adapter) is ADAPTERS[variant]
     K, guided = 3, true_cfg_scale > 1
     passes = []
     hook = pipe.transformer.register_forward_hook(
@@ -116,12 +118,12 @@ def test_ode_rollout_reproduces_pipeline_exactly(pipe_area, plus, true_cfg_scale
     hook.remove()
 
 
-@pytest.mark.parametrize("plus", [False, True], ids=["edit", "edit-plus"])
-def test_auto_source_is_the_pipelines_1mp_image(plus):
+@pytest.mark.parametrize("variant", ["edit", "plus"])
+def test_auto_source_is_the_pipelines_1mp_image(variant):
     """source_size="auto" (the default): the vision-language encoder gets the same pixels (and grid) and the VAE the
     same (1, 3, 1, h, w) input as in pipe() at its 1 MP rule, for a non-square source (pipe() is stopped at the VAE;
     encoding 1 MP with the tiny VAE takes ~25 s). The Plus pipeline shows the VL encoder a 384 x 384-area image."""
-    pipe = tiny_qwen_image_edit_pipeline(plus=plus)
+    pipe = tiny_qwen_image_edit_pipeline(variant=variant)
     adapter = get_adapter(pipe)
     assert adapter.source_size == "auto" and adapter.conditioning == "text_and_image"
     src = source(5, (40, 24))
@@ -148,7 +150,7 @@ def test_auto_source_is_the_pipelines_1mp_image(plus):
     assert torch.equal(seen["vl"][1][0], pixels) and torch.equal(seen["vl"][1][1], grid)
     assert torch.equal(vae_image, seen["vae"][0])
     assert vae_image.shape == (1, 3, 1, 800, 1312)  # calculate_dimensions(1024 * 1024, 40 / 24)
-    assert adapter.source_size_of(src) == ((800, 1312), (288, 480) if plus else (800, 1312))
+    assert adapter.source_size_of(src) == ((800, 1312), (288, 480) if variant == "plus" else (800, 1312))
 
 
 def test_source_conditions_and_embeds_index_and_concatenate():
@@ -170,14 +172,19 @@ def test_source_conditions_and_embeds_index_and_concatenate():
         assert torch.equal(index_embeds(both, [1])[k], one[k]), k
         assert torch.equal(both[k][0], both[k][2]), k
     assert torch.equal(cat_embeds([index_embeds(both, [0]), one])["image_latents"], both["image_latents"][:2])
+    # one prompt, two sources: the VL embeddings differ (the source's vision tokens), and each of the two parts of
+    # the conditioning (VL embeddings, image latents) swapped alone changes the velocity
+    with torch.no_grad():
+        same = adapter.encode_prompts(PROMPTS[:1] * 2, True, MAX_SEQ, images=srcs)
+    assert not torch.equal(same["prompt_embeds"][0], same["prompt_embeds"][1])
     x = adapter.initial_noise(1, HEIGHT, WIDTH, torch.Generator().manual_seed(0)).repeat(2, 1, 1, 1)
     t = adapter.schedule(3, HEIGHT, WIDTH).timesteps[1]
-    two = index_embeds(both, [0, 1])
+    vl = ("prompt_embeds", "prompt_embeds_mask", "negative_prompt_embeds", "negative_prompt_embeds_mask")
     with torch.no_grad():
-        v = adapter.velocity(adapter.transformer, x, t, two, 4.5)
-        v_latents = adapter.velocity(adapter.transformer, x, t, dict(two, image_latents=two["image_latents"].flip(0)), 4.5)
-        other_vl = dict(two, prompt_embeds=two["prompt_embeds"].flip(0), prompt_embeds_mask=two["prompt_embeds_mask"])
-        v_vl = adapter.velocity(adapter.transformer, x, t, other_vl, 4.5)
+        v = adapter.velocity(adapter.transformer, x, t, same, 4.5)
+        v_latents = adapter.velocity(adapter.transformer, x, t, dict(same, image_latents=same["image_latents"].flip(0)),
+                                     4.5)
+        v_vl = adapter.velocity(adapter.transformer, x, t, dict(same, **{k: same[k].flip(0) for k in vl}), 4.5)
     assert not torch.allclose(v, v_latents) and not torch.allclose(v, v_vl)
 
 
@@ -256,16 +263,16 @@ def test_evaluate_and_generate_condition_on_the_eval_sources(tmp_path, edit_data
 
 
 # ----------------------------------------------------------------------------------- LoRA, resume, bad input
-@pytest.mark.parametrize("plus", [False, True], ids=["edit", "edit-plus"])
-def test_lora_round_trips_through_the_pipeline_loader(tmp_path, edit_dataset, pipe_area, plus):
+@pytest.mark.parametrize("variant", ["edit", "plus"])
+def test_lora_round_trips_through_the_pipeline_loader(tmp_path, edit_dataset, pipe_area, variant):
     """save_model -> a fresh pipeline's load_lora_weights -> exactly the trained pipeline's edits (true CFG)."""
     from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
 
     config = edit_config(FlowGRPOConfig, tmp_path, max_steps=1, beta=0.0)
-    trainer = FlowGRPOTrainer(config, make_adapter(plus), [brightness], train_dataset=edit_dataset)
+    trainer = FlowGRPOTrainer(config, make_adapter(variant), [brightness], train_dataset=edit_dataset)
     trainer.train()
     out = trainer.save_model(str(tmp_path / "final"))
-    fresh = tiny_qwen_image_edit_pipeline(plus=plus)
+    fresh = tiny_qwen_image_edit_pipeline(variant=variant)
     call = dict(image=source(0), prompt="make it red", negative_prompt=" ", true_cfg_scale=4.5, height=HEIGHT,
                 width=WIDTH, num_inference_steps=3, max_sequence_length=MAX_SEQ, output_type="latent")
 

@@ -47,8 +47,8 @@ def _qwen2_vl_processor(tokenizer):
             return Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=None)
 
 
-def tiny_qwen_image_edit_pipeline(seed: int = 0, num_layers: int = 2, text_layers: int = 2, plus: bool = False):
-    """A real ``QwenImageEditPipeline`` (``plus=True``: ``QwenImageEditPlusPipeline``, Qwen-Image-Edit-2509's) with
+def tiny_qwen_image_edit_pipeline(seed: int = 0, num_layers: int = 2, text_layers: int = 2, variant: str = "edit"):
+    """A real ``QwenImageEditPipeline`` (``variant="plus"``: ``QwenImageEditPlusPipeline``, Qwen-Image-Edit-2509's) with
     tiny random components, every module in ``.eval()``: the tiny Qwen-Image transformer, VAE (4x spatial
     compression, so sizes are multiples of 8) and scheduler, a ``Qwen2_5_VLForConditionalGeneration`` with its vision
     tower (patch 14, one block) and a ``Qwen2VLProcessor`` whose images have 4 to 16 vision tokens.
@@ -57,8 +57,11 @@ def tiny_qwen_image_edit_pipeline(seed: int = 0, num_layers: int = 2, text_layer
     VAE): use the adapter's ``source_size="output"`` in tests. Building it does not touch the global RNG."""
     from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
 
+    classes = {"edit": QwenImageEditPipeline, "plus": QwenImageEditPlusPipeline}
+    if variant not in classes:
+        raise ValueError(f"variant={variant!r}: must be one of {sorted(classes)}")
     tokenizer = _byte_level_qwen2_tokenizer(words=_EDIT_TEMPLATE_WORDS)
     parts = tiny_qwen_image_components(tokenizer, seed, num_layers, text_layers)
-    cls = QwenImageEditPlusPipeline if plus else QwenImageEditPipeline
+    cls = classes[variant]
     pipe = cls(processor=_qwen2_vl_processor(tokenizer), **parts)
     return _finish(pipe, (pipe.transformer, pipe.vae, pipe.text_encoder))
