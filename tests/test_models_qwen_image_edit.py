@@ -212,6 +212,24 @@ def test_bad_sources_options_and_long_prompts():
             adapter.encode_prompts([long], False, MAX_SEQ, images=[source(0)])  # reported once
 
 
+def test_source_image_size_in_the_config_and_the_adapter(tmp_path, edit_dataset):
+    """The config's source_image_size configures a pipeline given to a trainer; a conflicting adapter option is
+    refused naming both; a pipeline without its Qwen2VLProcessor is refused."""
+    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
+
+    trainer = FlowGRPOTrainer(edit_config(FlowGRPOConfig, tmp_path, source_image_size="source"),
+                              tiny_qwen_image_edit_pipeline(), [brightness], train_dataset=edit_dataset)
+    assert trainer.adapter.source_size == "source" and trainer.adapter.source_size_of((40, 24)) == ((32, 32),) * 2
+    with pytest.raises(ValueError, match=r"source_image_size='source' in the config, but the QwenImageEditAdapter "
+                                         r"was built with source_size='output'; set it in one place"):
+        FlowGRPOTrainer(edit_config(FlowGRPOConfig, tmp_path, source_image_size="source"), make_adapter(),
+                        [brightness], train_dataset=edit_dataset)
+    pipe = tiny_qwen_image_edit_pipeline()
+    pipe.processor = None
+    with pytest.raises(ValueError, match="has no processor"):
+        get_adapter(pipe)
+
+
 # ---------------------------------------------------------------------------------------- every trainer
 @pytest.mark.parametrize("trainer_class", exported_trainers(), ids=lambda c: c.__name__)
 def test_every_trainer_trains_on_qwen_image_edit(tmp_path, edit_dataset, trainer_class):
