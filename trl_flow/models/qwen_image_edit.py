@@ -179,7 +179,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
         return pe, (torch.ones(pe.shape[:2], dtype=torch.long, device=pe.device) if mask is None else mask)
 
     def _warn_long(self, prompt, n_prompt, max_sequence_length) -> None:
-        if not self._warned_long:
+        if not getattr(self, "_warned_long", False):  # QwenImageAdapter's flag (warned once per adapter)
             self._warned_long = True
             warnings.warn(
                 f"a prompt has {n_prompt} tokens, more than max_sequence_length={max_sequence_length} (e.g. "
