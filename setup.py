@@ -43,5 +43,10 @@ setup(
         "wandb": ["wandb"],
         "quant": ["bitsandbytes"],
         "bench": ["matplotlib"],
+        # No "flux2" extra: FLUX.2-dev's tokenizer (transformers' PixtralProcessor) needs torchvision, but an
+        # unpinned torchvision requirement makes pip take the newest torchvision and upgrade torch to the newest,
+        # CUDA, build (torchvision X pins torch exactly). Install the release matching your torch instead, e.g. for
+        # torch 2.13: pip install "torchvision==0.28.*" (CPU torch: add --index-url
+        # https://download.pytorch.org/whl/cpu); trl_flow.models.load_pipeline names this command when it is missing.
     },
 )

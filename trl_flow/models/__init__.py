@@ -121,12 +121,44 @@ def load_pipeline(model_name_or_path: str, torch_dtype="float32", **kwargs):
     # Components saved as absent (e.g. an SD3 pipeline without T5: `"text_encoder_3": [null, null]`) must be
     # passed as None explicitly to from_pretrained.
     index = DiffusionPipeline.load_config(model_name_or_path)
+    check_component_backends(index, model_name_or_path)
     for name, value in index.items():
         if not name.startswith("_") and isinstance(value, (list, tuple)) and list(value) == [None, None]:
             kwargs.setdefault(name, None)
     pipe = DiffusionPipeline.from_pretrained(model_name_or_path, **{_dtype_keyword(): dtype}, **kwargs)
     get_adapter(pipe)  # fail early for an unsupported family
     return pipe
+
+
+def check_component_backends(index: dict, source: str = "the pipeline") -> None:
+    """Raise a one-line ``ImportError`` before any weight is loaded when a component's transformers class needs a
+    package that is not installed (FLUX.2-dev's tokenizer, a ``PixtralProcessor``, needs torchvision; without it
+    diffusers fails after loading the text encoder, saying the component "cannot be loaded"). ``index``: the
+    pipeline's ``model_index.json``."""
+    import transformers
+
+    for name, value in index.items():
+        if name.startswith("_") or not isinstance(value, (list, tuple)) or len(value) != 2 or value[0] != "transformers":
+            continue
+        cls = getattr(transformers, str(value[1]), None)
+        missing = [str(b) for b in getattr(cls, "_backends", ())] if type(cls).__name__ == "DummyObject" else []
+        if missing:
+            raise ImportError(f"{source}: component `{name}` ({value[1]}) needs {', '.join(missing)}, which is not "
+                              f"installed: {_install_hint(missing)}")
+
+
+def _install_hint(packages: list[str]) -> str:
+    """The pip command for missing packages; torchvision pinned to the release of the installed torch (a bare
+    `pip install torchvision` upgrades torch to the newest, CUDA, build), from the CPU index for a CPU torch."""
+    if packages != ["torchvision"]:
+        return "pip install " + " ".join(packages)
+    import torch
+
+    version = torch.__version__.split("+")[0].split(".")
+    cmd = f'pip install "torchvision==0.{int(version[1]) + 15}.*"' if version[0] == "2" else "pip install torchvision"
+    if "+cpu" in torch.__version__:
+        cmd += " --index-url https://download.pytorch.org/whl/cpu"
+    return f"{cmd} (the torchvision release of torch {torch.__version__})"
 
 
 def _dtype_keyword() -> str:
