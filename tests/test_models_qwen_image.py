@@ -223,22 +223,23 @@ def test_bad_config_fails_before_compute(tmp_path, overrides, match):
 
 
 def test_a_prompt_cut_at_max_sequence_length_warns_once():
-    """pipe.encode_prompt cuts a prompt longer than max_sequence_length silently: the adapter says so, once."""
+    """pipe.encode_prompt cuts a prompt longer than max_sequence_length silently: the trainer's guard says so, once,
+    counting the prompt's tokens with the template's closing tokens as the pipeline does (46 here)."""
     import warnings
 
-    adapter = QwenImageAdapter(tiny_qwen_image_pipeline())
+    from trl_flow.trainers.guards import LongPromptWarning
+
+    guard = LongPromptWarning(QwenImageAdapter(tiny_qwen_image_pipeline()), MAX_SEQ)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with torch.no_grad():
-            adapter.encode_prompts(PROMPTS, False, MAX_SEQ)  # 9 to 13 tokens: no warning
+        guard.check(PROMPTS)  # 9 to 13 tokens: no warning
     long = "a dog " * 10
-    with pytest.warns(UserWarning, match=r"1 of 2 prompts are longer than max_sequence_length=16 .*: 46\)"):
-        with torch.no_grad():
-            adapter.encode_prompts(["a cat", long], False, MAX_SEQ)
+    with pytest.warns(UserWarning, match=r"1 of 2 distinct prompts .* exceed the 16-token limit of pipe.tokenizer .*"
+                                         r"prompt 1 of the batch, 46 tokens"):
+        guard.check(["a cat", long])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with torch.no_grad():
-            adapter.encode_prompts([long], False, MAX_SEQ)  # reported once
+        guard.check([long])  # reported once
 
 
 def test_bad_adapter_options():

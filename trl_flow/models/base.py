@@ -110,6 +110,11 @@ class FlowAdapter:
     conditioning = "text"
     #: The dataset column holding the source images of an editing adapter.
     source_column = "source_image"
+    #: How the pipeline pads a batch of prompts: ``"max_length"`` (to a fixed length: a prompt's embedding depends
+    #: on it and on the batch size only, so the trainer encodes each distinct prompt of an iteration once) or
+    #: ``"longest"`` (to the batch's longest prompt, Qwen-Image: the trainer encodes each distinct sampling chunk
+    #: once). See :mod:`trl_flow.trainers.prompt_encoding`.
+    prompt_padding = "max_length"
 
     def __init__(self, pipe):
         self.pipe = pipe
@@ -164,6 +169,23 @@ class FlowAdapter:
         * Called under ``torch.no_grad()`` (text encoders are frozen); the result is stored in the rollout.
         """
         raise NotImplementedError
+
+    def prompt_token_limits(self, max_sequence_length: int) -> dict[str, int]:
+        """{tokenizer component name: the tokens of a prompt the pipeline keeps} (the trainer warns, once, about a
+        longer prompt; :meth:`prompt_token_counts` counts them). Default, as SD3 / FLUX.1 / Wan cut: every
+        ``tokenizer*`` component, a T5-family one at ``max_sequence_length``, the others (CLIP) at their
+        ``model_max_length``. A family whose pipeline cuts elsewhere, or counts a chat template, overrides both."""
+        out = {}
+        for name, tok in self.pipe.components.items():
+            if name.startswith("tokenizer") and tok is not None and hasattr(tok, "model_max_length"):
+                limit = max_sequence_length if "T5" in type(tok).__name__ else tok.model_max_length
+                out[name] = min(limit, tok.model_max_length)
+        return out
+
+    def prompt_token_counts(self, prompts: list[str], name: str) -> list[int]:
+        """Each prompt's length in tokens as the pipeline's tokenizer ``name`` counts it against
+        :meth:`prompt_token_limits` (special and template tokens included)."""
+        return [len(ids) for ids in self.pipe.components[name](list(prompts), verbose=False)["input_ids"]]
 
     def check_source_sizes(self, sizes: list[tuple[int, int]], where: str) -> None:
         """Editing adapters: raise ``ValueError`` (naming ``where`` and the rows) if the sources of these (width,

@@ -155,6 +155,19 @@ class Flux2Adapter(_Flux2AdapterBase):
     #: diffusers' FLUX.2-dev LoRA script's defaults (its 48 single-stream blocks named).
     default_lora_target_modules = _lora_targets(48)
 
+    def prompt_token_limits(self, max_sequence_length) -> dict[str, int]:
+        """The pipeline cuts the chat-formatted prompt (with its system message) at ``max_sequence_length``
+        Mistral tokens."""
+        return {"tokenizer": max_sequence_length}
+
+    def prompt_token_counts(self, prompts, name) -> list[int]:
+        """Tokens of the chat the pipeline encodes (``format_input`` with ``pipe.system_message``)."""
+        pipe = self.pipe
+        messages = self._module.format_input(prompts=list(prompts), system_message=pipe.system_message)
+        ids = pipe.tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True,
+                                                 return_dict=True)["input_ids"]
+        return [len(x) for x in ids]
+
     def encode_prompts(self, prompts, guidance, max_sequence_length=512) -> PromptEmbeds:
         """``guidance`` is ignored: FLUX.2-dev's guidance is distilled (no negative prompt)."""
         return {"prompt_embeds": self._encode(prompts, max_sequence_length)}
@@ -201,6 +214,17 @@ class Flux2KleinAdapter(_Flux2AdapterBase):
 
     def _cfg(self, guidance_scale) -> bool:
         return guidance_scale > 1 and not self.is_distilled
+
+    def prompt_token_limits(self, max_sequence_length) -> dict[str, int]:
+        """The pipeline cuts the chat-formatted prompt at ``max_sequence_length`` Qwen3 tokens."""
+        return {"tokenizer": max_sequence_length}
+
+    def prompt_token_counts(self, prompts, name) -> list[int]:
+        """Tokens of the prompt in Qwen3's chat format (thinking disabled), as the pipeline renders it."""
+        tok = self.pipe.tokenizer
+        texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True,
+                                         enable_thinking=False) for p in prompts]
+        return [len(ids) for ids in tok(texts).input_ids]
 
     def encode_prompts(self, prompts, guidance, max_sequence_length=512) -> PromptEmbeds:
         """The negative (empty) prompt is encoded when ``guidance`` and the model is not step-distilled."""

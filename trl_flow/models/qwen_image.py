@@ -94,29 +94,22 @@ class QwenImageAdapter(FlowAdapter):
         ``guidance`` (the trainer's ``guidance_scale > 1``) the same for the negative prompt, whose embeddings keep
         their own length (one prompt: every batch has the same)."""
         prompts = list(prompts)
-        self._check_length(prompts, max_sequence_length)
         out = dict(zip(("prompt_embeds", "prompt_embeds_mask"), self._encode(prompts, max_sequence_length, True)))
         if guidance:
             neg = self._encode([self.negative_prompt] * len(prompts), max_sequence_length, False)
             out.update(zip(("negative_prompt_embeds", "negative_prompt_embeds_mask"), neg))
         return out
 
-    def _check_length(self, prompts, max_sequence_length) -> None:
-        """Warn once when a prompt (with the template's closing tokens) is longer than ``max_sequence_length``:
-        ``pipe.encode_prompt`` cuts it there without a word."""
-        if self._warned_long:
-            return
+    def prompt_token_limits(self, max_sequence_length) -> dict[str, int]:
+        """``pipe.encode_prompt`` keeps ``max_sequence_length`` tokens of the templated prompt after its system prefix
+        (the tokenizer cuts at ``pipe.tokenizer_max_length``), without a word."""
+        return {"tokenizer": min(max_sequence_length, self.pipe.tokenizer_max_length)}
+
+    def prompt_token_counts(self, prompts, name) -> list[int]:
+        """The prompt's tokens with the template's closing tokens (the system prefix dropped), as the pipeline cuts."""
         pipe = self.pipe
         ids = pipe.tokenizer([pipe.prompt_template_encode.format(p) for p in prompts]).input_ids
-        lengths = [len(x) - pipe.prompt_template_encode_start_idx for x in ids]
-        long = [i for i, n in enumerate(lengths) if n > max_sequence_length]
-        if long:
-            self._warned_long = True
-            warnings.warn(
-                f"{len(long)} of {len(prompts)} prompts are longer than max_sequence_length={max_sequence_length} "
-                f"Qwen2.5-VL tokens with the template's closing tokens (e.g. {prompts[long[0]][:80]!r}: "
-                f"{lengths[long[0]]}) and are cut; raise max_sequence_length (at most {MAX_SEQUENCE_LENGTH}) or "
-                "shorten them. Reported once.", UserWarning, stacklevel=3)
+        return [len(x) - pipe.prompt_template_encode_start_idx for x in ids]
 
     def _encode(self, prompts, max_sequence_length, pad: bool):
         pe, mask = self.pipe.encode_prompt(prompt=prompts, device=self.device, max_sequence_length=max_sequence_length)

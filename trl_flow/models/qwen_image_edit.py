@@ -133,6 +133,11 @@ class QwenImageEditAdapter(QwenImageAdapter):
         return ip.resize(image, hv, wv), ip.preprocess(image, h, w).unsqueeze(2)
 
     # ------------------------------------------------------------------------------------------- prompts
+    def prompt_token_limits(self, max_sequence_length) -> dict[str, int]:
+        """None for the trainer's check: the editing pipeline does not cut prompts; :meth:`encode_prompts` cuts the
+        embedding and warns itself."""
+        return {}
+
     def encode_prompts(self, prompts, guidance, max_sequence_length=512, images=None) -> PromptEmbeds:
         """``prompt_embeds`` (B, T, D) zero-padded with ``prompt_embeds_mask`` (B, T), T = the vision and template
         tokens + ``max_sequence_length``; with ``guidance`` the negative prompt's (at their own length, the same for

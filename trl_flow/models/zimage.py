@@ -113,17 +113,25 @@ class ZImageAdapter(FlowAdapter):
             out["negative_prompt_embeds"], out["negative_prompt_mask"] = neg["prompt_embeds"], neg["prompt_mask"]
         return out
 
+    def _texts(self, prompts: list[str]) -> list[str]:
+        """The prompts in the pipeline's chat template (thinking enabled), as ``ZImagePipeline`` renders them."""
+        return [self.pipe.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                        add_generation_prompt=True, enable_thinking=True)
+                for p in prompts]
+
+    def prompt_token_limits(self, max_sequence_length) -> dict[str, int]:
+        """The pipeline cuts the chat-formatted prompt at ``max_sequence_length`` Qwen3 tokens."""
+        return {"tokenizer": max_sequence_length}
+
+    def prompt_token_counts(self, prompts, name) -> list[int]:
+        return [len(ids) for ids in self.pipe.tokenizer(self._texts(prompts)).input_ids]
+
     def _encode(self, prompts: list[str], max_sequence_length: int) -> PromptEmbeds:
         """``ZImagePipeline._encode_prompt`` without the final unpadding (and without templating the caller's
         list in place)."""
         pipe = self.pipe
-        texts = [
-            pipe.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                               add_generation_prompt=True, enable_thinking=True)
-            for p in prompts
-        ]
-        inputs = pipe.tokenizer(texts, padding="max_length", max_length=max_sequence_length, truncation=True,
-                                return_tensors="pt")
+        inputs = pipe.tokenizer(self._texts(prompts), padding="max_length", max_length=max_sequence_length,
+                                truncation=True, return_tensors="pt")
         ids = inputs.input_ids.to(self.device)
         mask = inputs.attention_mask.to(self.device).bool()
         hidden = pipe.text_encoder(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-2]

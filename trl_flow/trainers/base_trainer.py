@@ -22,11 +22,11 @@ import torch
 from .. import editing
 from ..data import check_prompt_dataset, prompt_indices
 from ..kernels import gaussian_kl, kernel_mean_std, reference_kl, sde_step
-from ..models import cat_embeds, get_adapter, index_embeds
+from ..models import get_adapter, index_embeds
 from ..rewards import RewardError, compute_rewards, validate_reward_funcs
 from ..rewards.scheduling import OverlappedScoring, collect_scores
 from ..rollout import Rollout, sample_trajectories, step_samplers
-from . import checkpoints, distributed, guards, model_setup, tracking, train_loop
+from . import checkpoints, distributed, guards, model_setup, prompt_encoding, tracking, train_loop
 from . import output_dir as run_dir
 from .base_config import FlowRLConfig
 from .checkpoints import LORA_WEIGHT_NAME, TrainerState  # noqa: F401  (re-exported)
@@ -106,7 +106,9 @@ class FlowRLTrainer:
             model_setup.remove_adapters(self)  # the pipeline stays usable for another trainer
             raise
         self._nonfinite_skipped = 0
-        self._long_prompts = guards.LongPromptWarning(self.pipe, config.max_sequence_length)
+        self._long_prompts = guards.LongPromptWarning(self.adapter, config.max_sequence_length,
+                                                      {"train_dataset": self.train_dataset,
+                                                       "eval_dataset": self.eval_dataset})
         self._no_reward = guards.NoRewardMonitor()
 
     @property
@@ -163,20 +165,15 @@ class FlowRLTrainer:
 
     @torch.no_grad()
     def encode(self, prompts: list[str], guidance_scale: float, columns: dict | None = None):
-        """Prompt embeddings, encoded in chunks of ``per_device_train_batch_size`` (the sampling chunks): a
-        prompt's embedding does not depend on how many prompts this process holds. An editing adapter
-        (``conditioning="text_and_image"``) also gets each chunk's decoded source images from ``columns``."""
+        """Prompt embeddings (each tensor (N, ...)) of N samples: each distinct prompt (and source image) encoded
+        once, bit for bit as in chunks of ``per_device_train_batch_size`` samples (the sampling chunks: a prompt's
+        embedding does not depend on how many prompts this process holds); see :mod:`.prompt_encoding`. An editing
+        adapter (``conditioning="text_and_image"``) also gets the decoded source images from ``columns``."""
         self._long_prompts.check(prompts)
-        bs = self.config.per_device_train_batch_size
-
-        def chunk(i):
-            images = editing.adapter_images(self.adapter, {k: v[i : i + bs] for k, v in (columns or {}).items()})
-            extra = {} if images is None else {"images": images}
-            return self.adapter.encode_prompts(prompts[i : i + bs], guidance_scale > 1,
-                                               self.config.max_sequence_length, **extra)
-
         with self._autocast(), self.offloader.use("text_encoder"), self._long_prompts.silence_pipeline():
-            return cat_embeds([chunk(i) for i in range(0, len(prompts), bs)])
+            return prompt_encoding.encode_samples(self.adapter, prompts, columns, guidance_scale > 1,
+                                                  self.config.max_sequence_length,
+                                                  self.config.per_device_train_batch_size)
 
     def sample_prompts(self, step: int) -> tuple[list[str], dict[str, list], torch.Tensor]:
         """This iteration's samples on this process: prompts, other columns and global group ids (each of N)."""

@@ -81,40 +81,49 @@ def remove_adapter(transformer) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- prompts
-def prompt_token_limits(pipe, max_sequence_length: int) -> list[tuple[str, object, int]]:
-    """(name, tokenizer, limit) of every tokenizer of the pipeline: T5-family tokenizers are cut at
-    ``max_sequence_length``, the others (CLIP) at their ``model_max_length``."""
-    out = []
-    for name, tok in pipe.components.items():
-        if name.startswith("tokenizer") and tok is not None and hasattr(tok, "model_max_length"):
-            limit = max_sequence_length if "T5" in type(tok).__name__ else tok.model_max_length
-            out.append((name, tok, min(limit, tok.model_max_length)))
-    return out
-
-
 class LongPromptWarning:
-    """Warn once per trainer when prompts are longer than a tokenizer's limit (the pipeline truncates them), and
-    silence the pipeline's own warning, which it repeats at every encode."""
+    """Warn once per trainer when a prompt is longer than a text encoder's limit (the pipeline cuts it there), naming
+    its dataset row, and silence the pipeline's own warning, which it repeats at every encode. The limits and the
+    token counts are the adapter's (:meth:`~trl_flow.models.FlowAdapter.prompt_token_limits`), as its pipeline
+    counts and cuts."""
 
-    def __init__(self, pipe, max_sequence_length: int):
-        self.limits = prompt_token_limits(pipe, max_sequence_length)
-        self.logger = logging.getLogger(type(pipe).__module__)
+    def __init__(self, adapter, max_sequence_length: int, datasets: dict | None = None):
+        self.adapter = adapter
+        self.max_sequence_length = max_sequence_length
+        self.limits = adapter.prompt_token_limits(max_sequence_length)
+        self.datasets = {name: ds for name, ds in (datasets or {}).items() if ds is not None}
+        self.logger = logging.getLogger(type(adapter.pipe).__module__)
         self.warned = False
 
     def check(self, prompts: list[str]) -> None:
-        if self.warned:
+        if self.warned or not self.limits:
             return
-        for name, tok, limit in self.limits:
-            lengths = [len(ids) for ids in tok(list(prompts), verbose=False)["input_ids"]]
+        distinct = list(dict.fromkeys(prompts))
+        for name, limit in self.limits.items():
+            lengths = self.adapter.prompt_token_counts(distinct, name)
             long = [i for i, n in enumerate(lengths) if n > limit]
             if long:
                 self.warned = True
+                first = distinct[long[0]]
+                raisable = self.adapter.prompt_token_limits(self.max_sequence_length + 1).get(name) != limit
+                fix = ("Shorten them or raise max_sequence_length." if raisable
+                       else "Shorten them (this limit does not change with max_sequence_length).")
                 warnings.warn(
-                    f"{len(long)} of {len(prompts)} prompts in this batch exceed the {limit}-token limit of "
-                    f"pipe.{name} and are truncated (e.g. {prompts[long[0]][:80]!r}: {lengths[long[0]]} tokens). "
-                    "Shorten them or raise max_sequence_length (T5). Reported once per trainer.",
+                    f"{len(long)} of {len(distinct)} distinct prompts in this batch exceed the {limit}-token limit of "
+                    f"pipe.{name} and are cut there by the pipeline: e.g. {self._where(first, prompts)}, "
+                    f"{lengths[long[0]]} tokens: {first[:80]!r}. {fix} Reported once per trainer.",
                     UserWarning, stacklevel=3)
                 return
+
+    def _where(self, prompt: str, prompts: list[str]) -> str:
+        """The prompt's first dataset row ("train_dataset row 12"), else its place in the batch."""
+        for name, ds in self.datasets.items():
+            column = ds["prompt"]
+            try:
+                return f"{name} row {list(column).index(prompt)}"
+            except ValueError:
+                continue
+        return f"prompt {prompts.index(prompt)} of the batch"
 
     @contextlib.contextmanager
     def silence_pipeline(self):
