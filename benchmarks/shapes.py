@@ -18,6 +18,12 @@ Tiers (``--tier``, ``TIERS``), each its own output folder, all on the noisy-capt
 * tier 3, a category (position), scored on held-out prompts RL never trains on: ``val`` (the held-out split of
   the same grammar, ``grammar.val_prompts``: 20% of the train-split prompts) and ``test`` (the stricter
   held-out-pairs split, ``grammar.test_prompts``: object pairs never seen together in any training prompt);
+* tier 6, the editing tier (issue 40): the editing base (a tiny FLUX.1 Kontext pipeline,
+  ``shapes.load_edit_base_pipeline``) trained on 8 edit instructions (``TIER6_INSTRUCTIONS``, chosen by
+  ``edit.tier_instructions``'s rule: the first 4 recolour and 4 move instructions of the train split in md5 order),
+  each with ``EDIT_SCENES`` fixed source scenes, on the binary ``shapes_edit`` reward (edit made AND the untouched
+  objects kept); scored on fresh scenes of those instructions (``trained``) and of the held-out instructions
+  (``held_out``, ``edit.test_instructions``);
 * tier 0, the hard track: tier 3 on the clean base with the partial reward (``benchmarks/results/shapes``, where
   no setting learned: docs/benchmarks.md, "The signal search").
 
@@ -106,6 +112,14 @@ def sparse_prompts(rows: list[dict], n: int = 8, max_rate: float = SPARSE_MAX_RA
     return sorted(pool, key=lambda p: hashlib.md5(p.encode()).hexdigest())[:n]
 
 
+# The editing tier (tier 6, issue 40): trained instructions by ``edit.tier_instructions``'s rule (a test checks it)
+TIER6_INSTRUCTIONS = [
+    "make the red square green", "make the red circle blue", "make the blue triangle green", "make the red circle green",
+    "move the green square right", "move the red square up", "move the red circle up", "move the blue circle down",
+]
+EDIT_SCENES = 8  # fixed source scenes per trained instruction (train rows: 8 x 8 = 64, scene seed EDIT_SCENE_SEED)
+EDIT_SCENE_SEED = 0
+
 TIERS = {
     0: dict(base="clean", train="category:position", evals={"val": ("val:position", 100), "test": ("test:position", 100)},
             primary="val", score="partial", reward="partial", steps=50, eval_every=10),
@@ -122,10 +136,18 @@ TIERS = {
     3: dict(base="noisy", train="category:position",
             evals={"val": ("val:position", 100), "test": ("test:position", 100)},
             primary="val", score="strict", reward="relation", steps=50, eval_every=10, config="ROLLOUT_16"),
+    # the editing tier: (instruction, source image) rows; evals on fresh scenes ("edit:<instructions>" draws)
+    6: dict(base="edit", task="edit", train=TIER6_INSTRUCTIONS,
+            evals={"trained": (TIER6_INSTRUCTIONS, 128), "held_out": ("test:edit", 64)},
+            primary="trained", score="strict", reward="edit", steps=60, eval_every=10, config="EDIT"),
 }
 # Tiers 1-3 (pilot, docs/benchmarks.md): 16 samples per group and microbatches of 32 without accumulation, i.e.
 # 4 optimizer steps per iteration of 8 groups; with BASE's 8 x 8 and one step per iteration Flow-GRPO drifted down.
-TIER_CONFIGS = {"ROLLOUT_16": dict(num_generations=16, gradient_accumulation_steps=1)}
+TIER_CONFIGS = {"ROLLOUT_16": dict(num_generations=16, gradient_accumulation_steps=1),
+                # the editing base: sources encoded at the output size (32 x 32), 8 T5 tokens, no guidance (none
+                # trained), evaluated at the 10 steps its base rates were measured at
+                "EDIT": dict(num_generations=16, gradient_accumulation_steps=1, source_image_size="output",
+                             max_sequence_length=8, guidance_scale=1.0, eval_num_inference_steps=10)}
 PILOT: dict = {}  # --set KEY=VALUE: over BASE and the tier's config, under a method's own overrides
 # Learning rate per (tier, method) chosen by the committed sweep (docs/benchmarks.md); others use BASE's.
 SWEPT_LR: dict[int, dict[str, float]] = {2: {"flow_grpo": 1e-3, "op_grpo": 1e-3, "flow_dppo": 1e-3}}
@@ -231,6 +253,23 @@ def _category_prompts(split: str, category: str) -> list[str]:
     return [p for p, c in zip(ds["prompt"], ds["category"]) if c == category]
 
 
+def edit_rows(tier: dict, split: str | None = None, scale: float = 1.0) -> dict[str, list]:
+    """The editing tier's rows: ``split=None`` the training rows (each trained instruction on ``EDIT_SCENES`` fixed
+    scenes), else the evaluation split's ``n`` fresh scenes (seed ``EVAL_SEED``): ``{"prompt", "source_image"}``."""
+    from trl_flow.tasks.shapes import edit
+
+    if split is None:
+        rows = edit.edit_rows(list(tier["train"]), len(tier["train"]) * EDIT_SCENES, EDIT_SCENE_SEED)
+    else:
+        source, n = tier["evals"][split]
+        n = max(1, int(n * scale))
+        pool = edit.test_instructions() if source == "test:edit" else list(source)
+        if isinstance(source, str) and source != "test:edit":
+            raise ValueError(f"editing tier: unknown evaluation source {source!r}")
+        rows = edit.edit_rows(pool, n, EVAL_SEED)
+    return {"prompt": rows["prompt"], "source_image": rows["source_image"]}
+
+
 def train_prompts(tier: dict) -> list[str]:
     if isinstance(tier["train"], str):
         from trl_flow.tasks.shapes import grammar
@@ -260,6 +299,13 @@ def eval_sets(tier: dict, scale: float = 1.0) -> dict[str, tuple[list[str], list
     from trl_flow.tasks.shapes import grammar
 
     out = {}
+    if tier.get("task") == "edit":  # (instructions, edit kinds, source images) per split
+        from trl_flow.tasks.shapes import parse_instruction
+
+        for split in tier["evals"]:
+            rows = edit_rows(tier, split, scale)
+            out[split] = (rows["prompt"], [parse_instruction(p).kind for p in rows["prompt"]], rows["source_image"])
+        return out
     for split, (source, n) in tier["evals"].items():
         n = max(1, int(n * scale))
         if isinstance(source, str):
@@ -280,13 +326,21 @@ def evaluate(trainer, sets, primary: str, kl_prompts: int = 64) -> dict:
     t0 = time.process_time()
     out = {}
     with trainer.ema_weights():
-        for split, (prompts, cats) in sets.items():
-            images, _ = trainer.generate(prompts, seed=EVAL_SEED)
-            out[split] = shapes.evaluate(images, prompts, cats)
-        prompts = sets[primary][0]
+        for split, (prompts, cats, *sources) in sets.items():
+            if sources:  # an editing tier: each prompt with its source image, scored by the edit detector
+                from trl_flow.editing import source_tensor
+
+                images, _ = trainer.generate(prompts, seed=EVAL_SEED, columns={"source_image": sources[0]})
+                out[split] = shapes.evaluate_edits(images, prompts, source_tensor(sources[0], *images.shape[-2:]))
+            else:
+                images, _ = trainer.generate(prompts, seed=EVAL_SEED)
+                out[split] = shapes.evaluate(images, prompts, cats)
+        prompts, _, *sources = sets[primary]
+        k = min(len(prompts), kl_prompts)
+        columns = {"source_image": sources[0][:k]} if sources else None
         # one kernel for every method (flow_sde, a = 0.7), so that methods trained with ddim compare
-        out["kl"] = float(trainer.kl_to_reference(prompts[: min(len(prompts), kl_prompts)], seed=EVAL_SEED,
-                                                  sampler="flow_sde", noise_level=KL_NOISE_LEVEL).mean())
+        out["kl"] = float(trainer.kl_to_reference(prompts[:k], seed=EVAL_SEED, sampler="flow_sde",
+                                                  noise_level=KL_NOISE_LEVEL, columns=columns).mean())
     out["eval_cpu_s"] = time.process_time() - t0
     return out
 
@@ -343,7 +397,15 @@ def make_trainer(label: str, seed: int, tier_id: int, steps: int, out: str, base
 
     tier = TIERS[tier_id]
     config, tr_cls = run_config(label, seed, tier_id, steps, out)
-    reward = get_reward(f"shapes_{tier['reward']}")  # the registry's shapes_partial / _strict / _dense / _relation
+    reward = get_reward(f"shapes_{tier['reward']}")  # the registry's shapes_partial / _strict / _dense / _relation / _edit
+    if tier.get("task") == "edit":  # the editing base (or a pretrain_shapes_edit.py folder) on (instruction, source) rows
+        from datasets import Dataset
+
+        if base_name not in (None, "edit") and not os.path.isdir(base_name):
+            raise SystemExit(f"--base {base_name}: the editing tier takes 'edit' (the committed editing base) or a "
+                             "scripts/pretrain_shapes_edit.py folder")
+        base = shapes.load_edit_base_pipeline(path=None if base_name in (None, "edit") else base_name)
+        return tr_cls(config, base, [reward], train_dataset=Dataset.from_dict(edit_rows(tier)))
     # a committed base (clean, noisy: shapes.BASE_MODEL_VARIANTS) or a save_pretrained folder (pretrain_shapes.py)
     base = shapes.load_base_pipeline(variant=base_name or tier["base"])
     return tr_cls(config, base, [reward], train_dataset=train_prompts(tier))
@@ -673,7 +735,7 @@ def _run_file(out, label, seed):
 
 
 def default_out(tier_id: int) -> str:
-    named = {0: "shapes", 4: "shapes_tier2b", 5: "shapes_sparse"}
+    named = {0: "shapes", 4: "shapes_tier2b", 5: "shapes_sparse", 6: "shapes_edit"}
     return f"benchmarks/results/{named.get(tier_id, f'shapes_tier{tier_id}')}"
 
 

@@ -1,0 +1,210 @@
+"""The shapes editing task: instruction grammar and rendered pairs, the shapes_edit detector reward, the committed
+editing base (a tiny FluxKontextPipeline) against its own pipeline, and the editing tier of benchmarks/shapes.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_benchmark_shapes import _load
+
+from trl_flow.tasks.shapes import edit
+from trl_flow.tasks.shapes.edit_reward import edit_constraints, edit_score, shapes_edit_reward
+from trl_flow.tasks.shapes.reward import PALETTE
+
+
+def _f(a):
+    return torch.from_numpy(np.ascontiguousarray(a)).float() / 255
+
+
+# ------------------------------------------------------------------------------------------- grammar, pairs
+def test_instruction_grammar_round_trips_and_the_split_follows_its_rule():
+    edits = edit.all_edits()
+    assert len(edits) == 54 and len({e.to_instruction() for e in edits}) == 54
+    assert all(edit.parse_instruction(e.to_instruction()) == e for e in edits)
+    train, test = edit.train_instructions(), edit.test_instructions()
+    assert (len(train), len(test)) == (39, 15) and not set(train) & set(test)
+    assert "make the red square blue" in test and "move the red circle left" in test
+    # every object, new colour and direction of a held-out instruction is seen in training
+    seen = [edit.parse_instruction(t) for t in train]
+    for t in map(edit.parse_instruction, test):
+        assert any((s.kind, s.color, s.shape) == (t.kind, t.color, t.shape) for s in seen)
+        assert any(s.kind == t.kind and (s.new_color, s.direction) == (t.new_color, t.direction) for s in seen)
+    for bad in ("make the red square red", "move the red square away", "paint the red square blue", "make a"):
+        with pytest.raises(ValueError, match="instruction"):
+            edit.parse_instruction(bad)
+
+
+@pytest.mark.parametrize("instruction", ["make the red square green", "move the blue circle down",
+                                         "move the green triangle left"])
+def test_target_is_the_source_with_only_the_named_object_edited(instruction):
+    e = edit.parse_instruction(instruction)
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        source, target = edit.sample_scene(e, rng)
+        idx = [k for k, it in enumerate(source) if it[:2] == (e.color, e.shape)]
+        assert len(idx) == 1 and len(target) == len(source)
+        assert [it for k, it in enumerate(source) if k != idx[0]] == [it for k, it in enumerate(target) if k != idx[0]]
+        c, s, x0, y0, d = source[idx[0]]
+        if e.kind == "recolor":
+            assert (e.new_color, s, x0, y0, d) in target
+        else:
+            dx, dy = edit.DIRECTIONS[e.direction]
+            assert (c, s, x0 + 4 * dx, y0 + 4 * dy, d) in target
+        src, tgt = edit.draw(source), edit.draw(target)
+        changed = (src != tgt).any(0)
+        # pixels change only where the named object was or now is (2x the canvas box)
+        box = np.zeros((32, 32), bool)
+        for x, y in ((x0, y0), (x0 + 4 * edit.DIRECTIONS.get(e.direction, (0, 0))[0],
+                                y0 + 4 * edit.DIRECTIONS.get(e.direction, (0, 0))[1])):
+            box[2 * y: 2 * (y + d), 2 * x: 2 * (x + d)] = True
+        assert changed.any() and not (changed & ~box).any()
+
+
+# --------------------------------------------------------------------------------------------------- reward
+def _two_object_pair(instruction, rng):
+    while True:
+        source, target = edit.sample_scene(instruction, rng)
+        if len(source) == 2:
+            return source, target
+
+
+def _untouched_moved(target, j):
+    """``target`` with item ``j`` moved 2-3 canvas pixels (4-6 image pixels) sideways, or None if it does not fit."""
+    for dx in (-2, 2, -3, 3):
+        moved = list(target)
+        moved[j] = moved[j][:2] + (moved[j][2] + dx, moved[j][3], moved[j][4])
+        if edit._fits(moved, j):
+            return moved
+    return None
+
+
+@pytest.mark.parametrize("instruction", ["make the red square green", "move the blue circle down"])
+def test_reward_on_rendered_pairs(instruction):
+    """Target 1; source 0 (it keeps the untouched object and the count: partial 0.5); the named object in a wrong
+    colour 0; the untouched object moved: strict 0, partial in (0, 1)."""
+    e = edit.parse_instruction(instruction)
+    rng = np.random.default_rng(0)
+    while True:  # a two-object scene in which the untouched object can be moved
+        source, target = _two_object_pair(instruction, rng)
+        i = next(k for k, it in enumerate(target) if it not in source)
+        moved = _untouched_moved(target, 1 - i)
+        if moved is not None:
+            break
+    src = _f(edit.draw(source))
+    assert edit_score(_f(edit.draw(target)), src, e) == {"strict": 1.0, "partial": 1.0}
+    assert edit_score(src, src, e) == {"strict": 0.0, "partial": 0.5}
+    wrong = next(c for c in PALETTE if c not in ("black", target[i][0], e.color))
+    bad_colour = list(target)
+    bad_colour[i] = (wrong,) + target[i][1:]
+    assert edit_score(_f(edit.draw(bad_colour)), src, e)["strict"] == 0.0
+    groups = edit_constraints(_f(edit.draw(moved)), src, e)
+    assert groups["kept"] == [False] and groups["edited"] == [True]
+    s = edit_score(_f(edit.draw(moved)), src, e)
+    assert s["strict"] == 0.0 and 0 < s["partial"] < 1
+
+
+def test_reward_over_every_instruction_and_the_registry():
+    """Every instruction's rendered target scores 1 and its source 0, batched through the registered reward."""
+    from trl_flow.rewards import get_reward
+
+    reward = get_reward("shapes_edit")
+    rng = np.random.default_rng(0)
+    texts = [e.to_instruction() for e in edit.all_edits()]
+    pairs = [edit.render_pair(t, rng) for t in texts]
+    sources = torch.stack([_f(s) for s, _ in pairs])
+    targets = torch.stack([_f(t) for _, t in pairs])
+    assert reward(targets, texts, source_image=sources) == [1.0] * len(texts)
+    assert reward(sources, texts, source_image=sources) == [0.0] * len(texts)
+    assert get_reward("shapes_edit_partial")(sources, texts, source_image=sources) == pytest.approx(
+        [edit_score(s, s, t)["partial"] for s, t in zip(sources, texts)])
+    with pytest.raises(ValueError, match="source_image"):
+        shapes_edit_reward(targets, texts)
+    with pytest.raises(ValueError, match="exactly one"):  # a source without the named object
+        shapes_edit_reward(targets[:1], ["make the blue square red"] if texts[0] != "make the blue square red"
+                           else ["make the green circle red"], source_image=torch.zeros(1, 3, 32, 32))
+
+
+# ------------------------------------------------------------------------------------------ the editing base
+@pytest.fixture(scope="module")
+def edit_base():
+    from trl_flow.tasks.shapes import load_edit_base_pipeline
+
+    return load_edit_base_pipeline()
+
+
+def test_committed_base_loads_and_the_adapter_ode_equals_the_pipeline(edit_base):
+    """The committed FluxKontextPipeline: FluxKontextAdapter's `ode` rollout from the adapter's noise ends exactly where
+    pipe(image=..., prompt=..., output_type="latent") ends; decoded, it is the pipeline's image."""
+    from trl_flow.models import get_adapter
+    from trl_flow.models.flux_kontext import FluxKontextAdapter
+    from trl_flow.rollout import sample_trajectories
+    from trl_flow.tasks.shapes import model_edit
+
+    pipe = edit_base
+    adapter = get_adapter(pipe)
+    assert isinstance(adapter, FluxKontextAdapter)
+    adapter = FluxKontextAdapter(pipe, source_size="output", output_size=(32, 32))
+    rows = edit.edit_rows(["make the red circle blue"], 1, seed=5)
+    prompt, src = rows["prompt"][0], rows["source_image"][0]
+    K = 4
+    call = dict(prompt=prompt, image=src, height=32, width=32, max_area=32 * 32, _auto_resize=False,
+                num_inference_steps=K, max_sequence_length=model_edit.EDIT_MAX_SEQUENCE_LENGTH)
+    tokens = []
+    hook = pipe.transformer.register_forward_hook(lambda m, a, kw, o: tokens.append(kw["hidden_states"].shape[1]),
+                                                  with_kwargs=True)
+    expected = pipe(generator=torch.Generator().manual_seed(0), output_type="latent", **call).images
+    hook.remove()
+    # the source is VAE-encoded: 64 generated + 64 source tokens (a 3-channel VAE made the pipeline take the RGB
+    # source for latents: 64 + 256 tokens)
+    assert set(tokens) == {128}
+    decoded = pipe(generator=torch.Generator().manual_seed(0), output_type="pt", **call).images
+    noise = adapter.initial_noise(1, 32, 32, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        embeds = adapter.encode_prompts([prompt], False, model_edit.EDIT_MAX_SEQUENCE_LENGTH, images=[src])
+        # latents: the 2x2 average pool of the source in [-1, 1], and a fourth channel of zeros
+        pooled = torch.nn.functional.avg_pool2d(_f(np.asarray(src).transpose(2, 0, 1))[None] * 2 - 1, 2)
+        assert embeds["image"].shape == (1, 4, 16, 16) and not embeds["image"][:, 3].any()
+        torch.testing.assert_close(embeds["image"][:, :3], pooled, atol=1e-5, rtol=0)
+        traj = sample_trajectories(adapter, pipe.transformer, embeds, noise, adapter.schedule(K, 32, 32),
+                                   ["ode"] * K, 0.0, 1.0, batch_size=1)
+        final = traj["states"][:, -1]
+        assert torch.equal(adapter.pack(final), expected)
+        assert torch.equal(adapter.decode(final), decoded)
+    assert decoded.shape == (1, 3, 32, 32)
+
+
+# ----------------------------------------------------------------------------------------- the editing tier
+def test_editing_tier_instructions_follow_the_rule_and_its_task():
+    mod = _load()
+    tier = mod.TIERS[6]
+    assert mod.TIER6_INSTRUCTIONS == edit.tier_instructions() and len(set(mod.TIER6_INSTRUCTIONS)) == 8
+    assert set(mod.TIER6_INSTRUCTIONS) <= set(edit.train_instructions())
+    assert [edit.parse_instruction(t).kind for t in mod.TIER6_INSTRUCTIONS] == ["recolor"] * 4 + ["move"] * 4
+    assert tier["reward"] == "edit" and tier["score"] == "strict" and tier["evals"]["held_out"][0] == "test:edit"
+    assert mod.default_out(6) == "benchmarks/results/shapes_edit"
+    rows = mod.edit_rows(tier)
+    assert len(rows["prompt"]) == 8 * mod.EDIT_SCENES and set(rows["prompt"]) == set(mod.TIER6_INSTRUCTIONS)
+    sets = mod.eval_sets(tier, scale=0.125)
+    assert set(sets["held_out"][0]) <= set(edit.test_instructions()) and len(sets["trained"][0]) == 16
+    assert all(im.size == (32, 32) for im in sets["trained"][2])
+
+
+def test_flow_grpo_trains_on_the_editing_tier(tmp_path):
+    """Two Flow-GRPO iterations on the tier's rows (committed base, shapes_edit reward, a small budget): finite
+    losses, the LoRA moves; the tier's evaluation scores each split with the edit detector."""
+    mod = _load()
+    mod.PILOT.update(prompts_per_step=2, num_generations=4, per_device_train_batch_size=8, num_inference_steps=4,
+                     eval_num_inference_steps=4)
+    trainer = mod.make_trainer("flow_grpo@0.001", 0, 6, 2, str(tmp_path))
+    assert trainer.adapter.source_size == "output"
+    before = [p.detach().clone() for p in trainer.trainable_params]
+    for step in range(2):
+        m = trainer.training_iteration(step)
+        assert np.isfinite(m["loss"]) and 0 <= m["reward"] <= 1
+    assert any(not torch.equal(b, p) for b, p in zip(before, trainer.trainable_params))
+    out = mod.evaluate(trainer, mod.eval_sets(mod.TIERS[6], scale=1 / 32), "trained", kl_prompts=2)
+    for split in ("trained", "held_out"):
+        o = out[split]["overall"]
+        assert 0 <= o["strict"] <= o["partial"] <= 1 and o["n"] in (2, 4)
+    assert np.isfinite(out["kl"])
