@@ -20,7 +20,8 @@ Tiers (``--tier``, ``TIERS``), each its own output folder, all on the noisy-capt
   held-out-pairs split, ``grammar.test_prompts``: object pairs never seen together in any training prompt);
 * tier 6, the editing tier (issue 40): the editing base (a tiny FLUX.1 Kontext pipeline,
   ``shapes.load_edit_base_pipeline``) trained on 8 edit instructions (``TIER6_INSTRUCTIONS``, chosen by
-  ``edit.tier_instructions``'s rule: the first 4 recolour and 4 move instructions of the train split in md5 order),
+  ``edit_tier_instructions``'s rule from the measured table ``EDIT_BASE_TABLE``: the 4 recolour and 4 move
+  train-split instructions on which the base succeeds most often),
   each with ``EDIT_SCENES`` fixed source scenes, on the binary ``shapes_edit`` reward (edit made AND the untouched
   objects kept); scored on fresh scenes of those instructions (``trained``) and of the held-out instructions
   (``held_out``, ``edit.test_instructions``);
@@ -112,13 +113,31 @@ def sparse_prompts(rows: list[dict], n: int = 8, max_rate: float = SPARSE_MAX_RA
     return sorted(pool, key=lambda p: hashlib.md5(p.encode()).hexdigest())[:n]
 
 
-# The editing tier (tier 6, issue 40): trained instructions by ``edit.tier_instructions``'s rule (a test checks it)
-TIER6_INSTRUCTIONS = [
-    "make the red square green", "make the red circle blue", "make the blue triangle green", "make the red circle green",
-    "move the green square right", "move the red square up", "move the red circle up", "move the blue circle down",
+# The editing tier (tier 6, issue 40): instructions chosen by ``edit_tier_instructions``'s rule from the editing base's
+# measured per-instruction success (scripts/measure_shapes_edit_base.py -> EDIT_BASE_TABLE) before any run on it
+EDIT_BASE_TABLE = "benchmarks/results/shapes_edit_base/per_instruction.json"
+TIER6_INSTRUCTIONS = [  # measured base strict (of 64 scenes): 0.125, 0.094, 0.078, 0.078, 0.156, 0.141, 0.125, 0.125
+    "make the red triangle blue", "make the green circle red", "make the red circle blue", "make the red circle green",
+    "move the red circle right", "move the red triangle right", "move the green triangle down",
+    "move the blue triangle down",
 ]
 EDIT_SCENES = 8  # fixed source scenes per trained instruction (train rows: 8 x 8 = 64, scene seed EDIT_SCENE_SEED)
 EDIT_SCENE_SEED = 0
+
+def edit_tier_instructions(rows: list[dict], n_per_kind: int = 4) -> list[str]:
+    """The editing tier's rule: of the TRAIN-split instructions in the measured table (``rows``: per_instruction.json's
+    ``per_instruction``), the ``n_per_kind`` recolour and the ``n_per_kind`` move instructions with the highest base
+    strict success (the base succeeds most rarely on squares and on many moves: 11 of 39 never in 64 scenes, where a
+    binary reward gives no signal), ties broken by md5 order of the text; recolour first."""
+    out = []
+    for kind in ("recolor", "move"):
+        pool = [r for r in rows if r["split"] == "train" and r["kind"] == kind]
+        pool.sort(key=lambda r: (-r["strict"], hashlib.md5(r["instruction"].encode()).hexdigest()))
+        if len(pool) < n_per_kind:
+            raise ValueError(f"edit_tier_instructions: only {len(pool)} train {kind} instructions in the table")
+        out += [r["instruction"] for r in pool[:n_per_kind]]
+    return out
+
 
 TIERS = {
     0: dict(base="clean", train="category:position", evals={"val": ("val:position", 100), "test": ("test:position", 100)},

@@ -3,10 +3,13 @@ editing base (a tiny FluxKontextPipeline) against its own pipeline, and the edit
 
 from __future__ import annotations
 
+import json
+import os
+
 import numpy as np
 import pytest
 import torch
-from test_benchmark_shapes import _load
+from test_benchmark_shapes import ROOT, _load
 
 from trl_flow.tasks.shapes import edit
 from trl_flow.tasks.shapes.edit_reward import edit_constraints, edit_score, shapes_edit_reward
@@ -178,9 +181,17 @@ def test_committed_base_loads_and_the_adapter_ode_equals_the_pipeline(edit_base)
 def test_editing_tier_instructions_follow_the_rule_and_its_task():
     mod = _load()
     tier = mod.TIERS[6]
-    assert mod.TIER6_INSTRUCTIONS == edit.tier_instructions() and len(set(mod.TIER6_INSTRUCTIONS)) == 8
+    with open(os.path.join(ROOT, mod.EDIT_BASE_TABLE)) as f:
+        table = json.load(f)["per_instruction"]
+    assert {r["instruction"] for r in table} == {e.to_instruction() for e in edit.all_edits()}
+    assert mod.TIER6_INSTRUCTIONS == mod.edit_tier_instructions(table) and len(set(mod.TIER6_INSTRUCTIONS)) == 8
     assert set(mod.TIER6_INSTRUCTIONS) <= set(edit.train_instructions())
     assert [edit.parse_instruction(t).kind for t in mod.TIER6_INSTRUCTIONS] == ["recolor"] * 4 + ["move"] * 4
+    rate = {r["instruction"]: r["strict"] for r in table}
+    for kind in ("make", "move"):  # no train instruction of a kind left out succeeds more often than one chosen
+        chosen = [rate[t] for t in mod.TIER6_INSTRUCTIONS if t.startswith(kind)]
+        rest = [rate[t] for t in edit.train_instructions() if t.startswith(kind) and t not in mod.TIER6_INSTRUCTIONS]
+        assert min(chosen) >= max(rest) and min(chosen) > 0
     assert tier["reward"] == "edit" and tier["score"] == "strict" and tier["evals"]["held_out"][0] == "test:edit"
     assert mod.default_out(6) == "benchmarks/results/shapes_edit"
     rows = mod.edit_rows(tier)

@@ -24,7 +24,6 @@ object, new colour and direction of a held-out instruction is seen in training, 
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -106,11 +105,6 @@ def test_instructions() -> list[str]:
 
 
 test_instructions.__test__ = False  # type: ignore[attr-defined]
-
-
-def md5_order(texts) -> list[str]:
-    """``texts`` sorted by the md5 of their text (deterministic on every platform; the tiers' choice order)."""
-    return sorted(texts, key=lambda t: hashlib.md5(t.encode()).hexdigest())
 
 
 # ------------------------------------------------------------------------------------------------ scenes
@@ -207,10 +201,3 @@ def edit_dataset(instructions, n: int, seed: int):
     rows = edit_rows(instructions, n, seed)
     return datasets.Dataset.from_dict({"prompt": rows["prompt"], "source_image": rows["source_image"]})
 
-
-def tier_instructions(n_per_kind: int = 4) -> list[str]:
-    """The editing tier's trained instructions, by rule (fixed before any run): the first ``n_per_kind`` recolour
-    and the first ``n_per_kind`` move instructions of the TRAIN split in md5 order of the instruction text."""
-    ordered = md5_order(train_instructions())
-    return [t for t in ordered if t.startswith("make")][:n_per_kind] + \
-        [t for t in ordered if t.startswith("move")][:n_per_kind]
