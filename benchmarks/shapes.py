@@ -454,9 +454,38 @@ def run_one(label: str, seed: int, tier_id: int, steps: int, eval_every: int, ev
             print(f"[tier {tier_id} {label} seed {seed}] step {step + 1}/{steps} reward {m['reward']:.3f} "
                   f"{primary} {e[primary]['overall'][score]:.3f} {others} kl {e['kl']:.4f} ({cpu:.0f} cpu-s)",
                   flush=True)
+    sheet = edit_sheet(trainer, tier, out, label, seed) if tier.get("task") == "edit" else None
     return {"method": label, "seed": seed, "tier": tier_id, "base_model": base_name, "learning_rate": lr,
-            "task": _task(tier), "config": {k: str(v) for k, v in config.to_dict().items()}, "iterations": iters,
+            "sheet": sheet, "task": _task(tier), "config": {k: str(v) for k, v in config.to_dict().items()}, "iterations": iters,
             "evals": evals, "cpu_s": cpu, "eval_cpu_s": sum(e["eval_cpu_s"] for e in evals), "machine": machine_info()}
+
+
+def edit_sheet(trainer, tier: dict, out: str, label: str, seed: int, per_instruction: int = 2) -> str:
+    """The editing tier's before / after sheet of one run: ``per_instruction`` fresh evaluation scenes of each trained
+    instruction, columns in instruction order; rows: the source, the base model (LoRA off), the trained model (EMA if
+    on), same noise (``EVAL_SEED``), upscaled 4x. Written to ``out/sheets/<label>_seed<seed>.png``; returns its path
+    relative to ``out``."""
+    from PIL import Image
+
+    from trl_flow.editing import source_tensor
+    from trl_flow.hub import before_after
+    from trl_flow.trainers.tracking import grid
+
+    rows = edit_rows(tier, "trained")
+    picked = [i for ins in tier["train"] for i in [j for j, p in enumerate(rows["prompt"]) if p == ins][:per_instruction]]
+    prompts = [rows["prompt"][i] for i in picked]
+    sources = [rows["source_image"][i] for i in picked]
+    pair, has_before = before_after(trainer, prompts, seed=EVAL_SEED, columns={"source_image": sources})
+    h, w = pair.size[1] // (2 if has_before else 1), pair.size[0] // len(prompts)
+    src = grid(source_tensor(sources, h, w), cols=len(prompts))
+    sheet = Image.new("RGB", (pair.size[0], src.size[1] + pair.size[1]))
+    sheet.paste(src, (0, 0))
+    sheet.paste(pair, (0, src.size[1]))
+    sheet = sheet.resize((sheet.size[0] * 4, sheet.size[1] * 4), Image.NEAREST)
+    rel = os.path.join("sheets", f"{label}_seed{seed}.png")
+    os.makedirs(os.path.join(out, "sheets"), exist_ok=True)
+    sheet.save(os.path.join(out, rel))
+    return rel
 
 
 def _task(tier: dict) -> dict:
