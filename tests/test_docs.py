@@ -411,3 +411,23 @@ def test_flow_dppo_matched_numbers_are_the_committed_runs():
     assert f"Welch t {one['t']:.1f}" in text and f"(t {two['t']:.1f})" in text and f"(t {epoch['t']:.1f})" in text
     assert f"({kl['ratio']:.2f}x, t {kl['t']:.1f})" in text
     assert abs(one["t"]) < page.T_DIFF and abs(two["t"]) < page.T_DIFF and abs(kl["t"]) >= page.T_DIFF  # the words
+
+
+def test_stepwise_grid_numbers_are_the_committed_measurement():
+    """docs/stepwise_flow_grpo.md's grid comparison quotes benchmarks/results/stepwise_grid_seed{0,1}.json (paired
+    differences shifted - linear, and the correlation per T')."""
+    docs = " ".join(open(os.path.join(ROOT, "docs", "stepwise_flow_grpo.md")).read().split())
+    runs = [json.load(open(os.path.join(ROOT, "benchmarks", "results", f"stepwise_grid_seed{s}.json"))) for s in (0, 1)]
+    paired = [{p["substeps"]: p for p in r["paired"]} for r in runs]
+
+    def pm(d):
+        return f"{d['diff']:+.3f} +- {d['se']:.3f}"
+
+    assert f"at T' = 2 ({pm(paired[0][2]['corr_final'])} and {pm(paired[1][2]['corr_final'])} on seeds 0 and 1" in docs
+    assert f"T' = 3 ({pm(paired[0][3]['corr_final'])}, {pm(paired[1][3]['corr_final'])})" in docs
+    assert f"T' = 5 ({pm(paired[0][5]['corr_final'])}, {pm(paired[1][5]['corr_final'])})" in docs
+    assert f"differences {pm(paired[0][2]['gain_corr'])} / {pm(paired[1][2]['gain_corr'])} at T' = 2" in docs
+    worst = max(abs(p[t]["gain_corr"]["diff"]) for p in paired for t in (2, 3, 5))
+    assert worst <= 0.024 + 5e-4
+    lin = {r["substeps"]: r["corr_final"] for r in runs[0]["rows"] if r["grid"] == "linear"}
+    assert " / ".join(f"{lin[t]:.3f}" for t in (2, 3, 5, 20)) + " at T' = 2 / 3 / 5 / 20" in docs
