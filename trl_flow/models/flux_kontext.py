@@ -5,12 +5,11 @@ from __future__ import annotations
 import torch
 
 from .base import PromptEmbeds
+from .editing import SOURCE_SIZES, SourceImageMixin  # noqa: F401 (SOURCE_SIZES: re-exported)
 from .flux import FluxAdapter
 
-SOURCE_SIZES = ("auto", "source", "output")
 
-
-class FluxKontextAdapter(FluxAdapter):
+class FluxKontextAdapter(SourceImageMixin, FluxAdapter):
     """FLUX.1 Kontext: ``FluxKontextPipeline``, an editing model (``conditioning="text_and_image"``).
 
     * The source image is processed as the pipeline's step 3 does (``image_processor.resize`` + ``preprocess`` at
@@ -31,29 +30,11 @@ class FluxKontextAdapter(FluxAdapter):
       shift uses the generated tokens only, as the pipeline does.
     """
 
-    conditioning = "text_and_image"
-    pipeline_tag = "image-to-image"
-    reads_config_fields = ("source_image_size",)
-
     def __init__(self, pipe, true_cfg_scale: float = 1.0, negative_prompt: str | None = None,
                  source_size: str | None = None, source_column: str = "source_image",
                  output_size: tuple[int, int] | None = None):
         super().__init__(pipe, true_cfg_scale=true_cfg_scale, negative_prompt=negative_prompt)
-        if source_size is not None and source_size not in SOURCE_SIZES:
-            raise ValueError(f"source_size={source_size!r}: must be one of {SOURCE_SIZES}")
-        self._source_size_option = source_size
-        self.source_size = source_size or "auto"
-        self.source_column = source_column
-        self.output_size = output_size  # (height, width) for source_size="output"; set by configure()
-
-    def configure(self, config) -> None:
-        super().configure(config)
-        size = getattr(config, "source_image_size", "auto")
-        if self._source_size_option is not None and size not in ("auto", self._source_size_option):
-            raise ValueError(f"source_image_size={size!r} in the config, but the FluxKontextAdapter was built with "
-                             f"source_size={self._source_size_option!r}; set it in one place")
-        self.source_size = self._source_size_option or size
-        self.output_size = (config.height, config.width)
+        self._init_source(source_size, source_column, output_size)
 
     @property
     def pipeline_class(self):
@@ -71,28 +52,16 @@ class FluxKontextAdapter(FluxAdapter):
 
         multiple_of = self.pipe.vae_scale_factor * 2
         if self.source_size == "output":
-            if self.output_size is None:
-                raise ValueError("source_size='output' needs the generated size: pass output_size=(height, width) "
-                                 "or let a trainer configure the adapter")
-            return self.output_size[0] // multiple_of * multiple_of, self.output_size[1] // multiple_of * multiple_of
+            height, width = self._need_output_size()
+            return height // multiple_of * multiple_of, width // multiple_of * multiple_of
         width, height = image if isinstance(image, tuple) else image.size
         h, w = self.pipe.image_processor.get_default_height_width(None, height=height, width=width)
         if self.source_size == "auto":
             _, w, h = min((abs(w / h - pw / ph), pw, ph) for pw, ph in PREFERRED_KONTEXT_RESOLUTIONS)
         return h // multiple_of * multiple_of, w // multiple_of * multiple_of
 
-    def check_source_sizes(self, sizes, where) -> None:
-        """Every row's source must give the same conditioning size (one batch holds rows of one shape)."""
-        first = {}
-        for row, size in enumerate(sizes):
-            first.setdefault(self.source_size_of(size), (row, size))
-            if len(first) > 1:
-                (r1, s1), (r2, s2) = first.values()
-                (h1, w1), (h2, w2) = first
-                raise ValueError(
-                    f"{where}: rows {r1} ({s1[0]}x{s1[1]} px) and {r2} ({s2[0]}x{s2[1]} px) are encoded at different "
-                    f"sizes ({w1}x{h1} and {w2}x{h2}, source_size={self.source_size!r}); give every source one aspect "
-                    "ratio" + (" class" if self.source_size == "auto" else " and size") + " (resize them first)")
+    def _same_size_hint(self) -> str:
+        return " class" if self.source_size == "auto" else " and size"
 
     def encode_images(self, images, dtype) -> torch.Tensor:
         """(B, C, h', w') VAE latents of the sources, shifted and scaled as the pipeline's ``_encode_vae_image``;

@@ -8,9 +8,8 @@ import warnings
 import torch
 
 from .base import PromptEmbeds
+from .editing import SOURCE_SIZES, SourceImageMixin  # noqa: F401 (SOURCE_SIZES: re-exported)
 from .qwen_image import QwenImageAdapter
-
-SOURCE_SIZES = ("auto", "source", "output")
 #: The area (pixels) both pipelines resize the VAE's source image to, at the source's aspect ratio (1 MP).
 VAE_IMAGE_AREA = 1024 * 1024
 
@@ -24,7 +23,7 @@ def _dimensions(area: int, width: int, height: int) -> tuple[int, int]:
     return int(h), int(w)
 
 
-class QwenImageEditAdapter(QwenImageAdapter):
+class QwenImageEditAdapter(SourceImageMixin, QwenImageAdapter):
     """Qwen-Image-Edit: ``QwenImageEditPipeline``, an editing model (``conditioning="text_and_image"``). Everything of
     :class:`QwenImageAdapter` applies (true CFG with the norm rescaling, negative prompt ``" "``, schedule shifted by
     the generated tokens only, decode, LoRA targets); the source conditions twice, as in the pipeline:
@@ -47,9 +46,6 @@ class QwenImageEditAdapter(QwenImageAdapter):
       ``"source"`` the source's own area. Every row must give the same conditioning size (checked at set-up).
     """
 
-    conditioning = "text_and_image"
-    pipeline_tag = "image-to-image"
-    reads_config_fields = ("source_image_size",)
     #: Each sample is encoded alone, so its embedding depends on nothing else of its batch (the trainer may encode
     #: each distinct (prompt, source) once).
     prompt_padding = "max_length"
@@ -62,21 +58,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
         if getattr(pipe, "processor", None) is None:
             raise ValueError(f"pipe: the {type(pipe).__name__} has no processor (Qwen2VLProcessor); the source image's "
                              "vision tokens need it")
-        if source_size is not None and source_size not in SOURCE_SIZES:
-            raise ValueError(f"source_size={source_size!r}: must be one of {SOURCE_SIZES}")
-        self._source_size_option = source_size
-        self.source_size = source_size or "auto"
-        self.source_column = source_column
-        self.output_size = output_size  # (height, width) for source_size="output"; set by configure()
-
-    def configure(self, config) -> None:
-        super().configure(config)
-        size = getattr(config, "source_image_size", "auto")
-        if self._source_size_option is not None and size not in ("auto", self._source_size_option):
-            raise ValueError(f"source_image_size={size!r} in the config, but the {type(self).__name__} was built with "
-                             f"source_size={self._source_size_option!r}; set it in one place")
-        self.source_size = self._source_size_option or size
-        self.output_size = (config.height, config.width)
+        self._init_source(source_size, source_column, output_size)
 
     @property
     def pipeline_class(self):
@@ -97,10 +79,8 @@ class QwenImageEditAdapter(QwenImageAdapter):
         elif self.source_size == "source":
             area = width * height
         else:
-            if self.output_size is None:
-                raise ValueError("source_size='output' needs the generated size: pass output_size=(height, width) "
-                                 "or let a trainer configure the adapter")
-            area = self.output_size[0] * self.output_size[1]
+            height_out, width_out = self._need_output_size()
+            area = height_out * width_out
         vae = _dimensions(area, width, height)
         if min(vae) < 32:
             raise ValueError(f"a {width}x{height} px source at source_size={self.source_size!r} is resized to "
@@ -109,18 +89,8 @@ class QwenImageEditAdapter(QwenImageAdapter):
         vl = vae if self.vl_image_area is None else _dimensions(self.vl_image_area, width, height)
         return vae, vl
 
-    def check_source_sizes(self, sizes, where) -> None:
-        """Every row's source must give the same conditioning sizes (one batch holds rows of one shape)."""
-        first = {}
-        for row, size in enumerate(sizes):
-            first.setdefault(self.source_size_of(size), (row, size))
-            if len(first) > 1:
-                (r1, s1), (r2, s2) = first.values()
-                ((h1, w1), _), ((h2, w2), _) = first
-                raise ValueError(
-                    f"{where}: rows {r1} ({s1[0]}x{s1[1]} px) and {r2} ({s2[0]}x{s2[1]} px) are encoded at different "
-                    f"sizes ({w1}x{h1} and {w2}x{h2}, source_size={self.source_size!r}); give every source one aspect "
-                    "ratio" + ("" if self.source_size != "source" else " and size") + " (resize them first)")
+    def _vae_size(self, key) -> tuple[int, int]:
+        return key[0]  # (vae, vision-language) sizes: the message names the VAE's
 
     def source_inputs(self, image):
         """What the pipeline makes of one source (an RGB PIL image): the vision-language encoder's image (PIL) and the
