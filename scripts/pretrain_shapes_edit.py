@@ -3,6 +3,8 @@
 
     OMP_NUM_THREADS=1 python scripts/pretrain_shapes_edit.py --minutes 20 --out trl_flow/tasks/shapes/edit_base_model
 
+``--init-from DIR`` continues an existing ``save_pretrained`` editing pipeline (its VAE and text encoders kept).
+
 1. Renders ``--num-pairs`` (source, instruction, target) triples of the TRAIN instructions (held-out instructions
    are never used; ``trl_flow.tasks.shapes.edit``), encodes sources and targets with the hand-set VAE (latents
    (N, 3, 16, 16)) and the instructions with the frozen text encoders (once).
@@ -52,6 +54,10 @@ def parse_args(argv=None):
     p.add_argument("--eval-steps", type=int, default=model_edit.EDIT_NUM_INFERENCE_STEPS)
     p.add_argument("--save", choices=["best", "ema", "raw"], default="best")
     p.add_argument("--log-every", type=int, default=100)
+    p.add_argument("--init-from", default=None,
+                   help="continue from a save_pretrained editing pipeline (e.g. trl_flow/tasks/shapes/edit_base_model) "
+                        "instead of a fresh transformer; its VAE and text encoders are kept. Use another --seed than "
+                        "the run it continues, so that the rendered pairs are new")
     return p.parse_args(argv)
 
 
@@ -87,7 +93,11 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     t_start = time.time()
     print(f"args: {vars(args)}", flush=True)
-    pipe = model_edit.build_edit_pipeline(seed=args.seed)
+    if args.init_from:
+        pipe = model_edit.load_edit_base_pipeline(path=args.init_from)
+        print(f"continuing from {args.init_from}", flush=True)
+    else:
+        pipe = model_edit.build_edit_pipeline(seed=args.seed)
     transformer = pipe.transformer
     print(f"transformer parameters: {sum(p.numel() for p in transformer.parameters())}", flush=True)
 
@@ -198,7 +208,7 @@ def main(argv=None):
         print(f"{split} instructions ({which} weights): " + json.dumps(report[split]), flush=True)
     info = {
         "command": "python scripts/pretrain_shapes_edit.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "steps": total, "seed": args.seed, "batch_size": args.batch_size, "lr": args.lr, "num_pairs": args.num_pairs,
+        "steps": total, "init_from": args.init_from, "seed": args.seed, "batch_size": args.batch_size, "lr": args.lr, "num_pairs": args.num_pairs,
         "train_seconds": round(train_seconds, 1), "train_minutes": round(train_seconds / 60, 2),
         "threads": args.threads, "final_loss_last200": round(final_loss, 4), "weights": which,
         "num_inference_steps": args.eval_steps, "max_sequence_length": model_edit.EDIT_MAX_SEQUENCE_LENGTH,
