@@ -456,7 +456,7 @@ def run_one(label: str, seed: int, tier_id: int, steps: int, eval_every: int, ev
                   flush=True)
     sheet = edit_sheet(trainer, tier, out, label, seed) if tier.get("task") == "edit" else None
     return {"method": label, "seed": seed, "tier": tier_id, "base_model": base_name, "learning_rate": lr,
-            "sheet": sheet, "task": _task(tier), "config": {k: str(v) for k, v in config.to_dict().items()}, "iterations": iters,
+            "sheet": sheet, "task": _task(tier), "config": {k: _portable(str(v)) for k, v in config.to_dict().items()}, "iterations": iters,
             "evals": evals, "cpu_s": cpu, "eval_cpu_s": sum(e["eval_cpu_s"] for e in evals), "machine": machine_info()}
 
 
@@ -761,7 +761,15 @@ def canonical_labels(runs: list[dict]) -> list[dict]:
     return out
 
 
+def _portable(value: str) -> str:
+    """A path under ``benchmarks/results/`` as it reads from the repository root; anything else unchanged. Committed
+    results never name the machine's folders (``--out`` may be absolute, and a run's ``output_dir`` follows it)."""
+    i = value.find("benchmarks/results/")
+    return value[i:] if os.path.isabs(value) and i >= 0 else value
+
+
 def write_outputs(runs, args: dict, out: str, tier_id: int) -> dict:
+    args = {k: _portable(v) if isinstance(v, str) else v for k, v in args.items()}
     recorded, runs = runs, canonical_labels(runs)  # results.json keeps each run as recorded (its file's name)
     summary = summarise(runs, tier_id, args.get("reference"))
     with open(os.path.join(out, "results.json"), "w") as f:
