@@ -42,6 +42,19 @@ PANELS = {
                     title="Tier 2, prompt set A: OP-GRPO in its described form against Flow-GRPO, three learning rates",
                     methods={f"{m}@{lr}": f"{name}, lr {lr}" for lr in ("0.0005", "0.001", "0.002")
                              for m, name in (("flow_grpo", "Flow-GRPO"), ("op_grpo", "OP-GRPO"))}),
+    "sparse": dict(folder="shapes_sparse",
+                   title="Tier 5, the sparse tier (binary reward, base success about 0.1): OP-GRPO against Flow-GRPO, "
+                         "three learning rates",
+                   methods={f"{m}@{lr}": f"{name}, lr {lr}" for lr in ("0.0005", "0.001", "0.002")
+                            for m, name in (("flow_grpo", "Flow-GRPO"), ("op_grpo", "OP-GRPO"))}),
+    "sparse_ablations": dict(folder="shapes_sparse", title="Tier 5, the sparse tier: OP-GRPO's described ablations, lr 1e-3",
+                             methods={"op_grpo@0.001": "OP-GRPO (described form)",
+                                      "op_grpo_per_step@0.001": "per-step ratio instead of the sequence weight",
+                                      "op_grpo_no_correction@0.001": "no off-policy correction",
+                                      "op_grpo_no_truncation@0.001": "no truncation (nothing regenerated)",
+                                      "op_grpo_share_12@0.001": "12.5% of the samples replayed",
+                                      "op_grpo_share_50@0.001": "50% of the samples replayed",
+                                      "flow_grpo@0.001": "Flow-GRPO"}),
     "tier3": dict(folder="shapes_tier3_sharp", title="Tier 3, sharp base (164 position prompts, held-out val strict)",
                   methods={"flow_grpo@0.0005": "Flow-GRPO", "flow_dppo@0.0005": "Flow-DPPO, 2 epochs"}),
 }
@@ -117,7 +130,8 @@ def compare(p: dict, a: str, b: str, field: str = "final") -> dict | None:
 
 
 # ------------------------------------------------------------------------------------------------- the claims
-SHORT = {"tier2": "set A", "tier2b": "set B", "tier2op": "set A", "tier3": "tier 3"}
+SHORT = {"tier2": "set A", "tier2b": "set B", "tier2op": "set A", "sparse": "sparse tier", "sparse_ablations": "sparse tier",
+         "tier3": "tier 3"}
 
 
 def cell(p: dict | None, a: str, b: str | None, field: str = "final") -> tuple[str, float | None]:
@@ -189,10 +203,14 @@ CLAIMS = [
     ("Stepwise", "higher final score than Flow-GRPO, T'=2", "GenEval 0.71 vs 0.68", ("tier2", "tier2b"),
      "stepwise_t2@0.001", "flow_grpo@0.001", "final", "higher"),
     *[("OP-GRPO", f"reaches the target in fewer iterations than Flow-GRPO, lr {lr:g} (same samples, 1 epoch each)",
-       "0.342x the steps", ("tier2op",), f"op_grpo@{lr:g}", f"flow_grpo@{lr:g}", "steps_to_target", "lower")
+       "0.342x the steps", ("tier2op", "sparse"), f"op_grpo@{lr:g}", f"flow_grpo@{lr:g}", "steps_to_target", "lower")
       for lr in (5e-4, 1e-3, 2e-3)],
-    ("OP-GRPO", "the same or a better final score than Flow-GRPO, lr 0.001", "+1.17% on average", ("tier2op",),
+    ("OP-GRPO", "the same or a better final score than Flow-GRPO, lr 0.001", "+1.17% on average", ("tier2op", "sparse"),
      "op_grpo@0.001", "flow_grpo@0.001", "final", "higher"),
+    ("OP-GRPO", "removing the off-policy correction hurts (lr 0.001)", "diverges", ("sparse_ablations",),
+     "op_grpo@0.001", "op_grpo_no_correction@0.001", "final", "higher"),
+    ("OP-GRPO", "removing the truncation hurts (lr 0.001)", "unstable", ("sparse_ablations",),
+     "op_grpo@0.001", "op_grpo_no_truncation@0.001", "final", "higher"),
     ("Flow-GRPO", "improves held-out prompts (sharp base, lr 5e-4)", "", ("tier3",), "flow_grpo@0.0005", None,
      "final", "higher"),
     ("Flow-DPPO", "beats Flow-GRPO on held-out prompts (2 epochs vs 1: not matched)", "GenEval2 78.9 vs 56.6",
@@ -346,7 +364,7 @@ README_ROWS = (0, 1, 2, 4, 6, 11)
 def readme_block(panels: dict) -> str:
     """The README's summary: a few claim rows (tier 2, sets A and B) and the tier-2 figure."""
     rows = claims(panels)
-    lines = [README_START, "| method | claim (the paper's figure) | here, tier 2 (prompt sets A; B) | verdict |",
+    lines = [README_START, "| method | claim (the paper's figure) | here: tier 2 (prompt sets A; B) or the sparse tier | verdict |",
              "|---|---|---|---|"]
     for i in README_ROWS:
         method, claim, paper, ours, v = rows[i]
