@@ -16,8 +16,30 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 PROMPTS = ["a cat", "a red dog", "a blue car", "green sky"]
+EDIT_PROMPTS = ["make it red", "add a dog", "green sky", "no car"]
 HEIGHT = WIDTH = 32
 MAX_SEQ = 16
+
+
+def source_image(seed: int, size: tuple[int, int] = (WIDTH, HEIGHT)):
+    """A random RGB source image for the editing families, ``size`` = (width, height)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+
+
+@pytest.fixture
+def edit_dataset(tmp_path):
+    """An editing dataset: ``EDIT_PROMPTS`` and source-image paths (files written in tmp_path)."""
+    from datasets import Dataset
+
+    paths = []
+    for i in range(len(EDIT_PROMPTS)):
+        paths.append(str(tmp_path / f"src{i}.png"))
+        source_image(i).save(paths[-1])
+    return Dataset.from_dict({"prompt": EDIT_PROMPTS, "source_image": paths})
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import EDIT_PROMPTS as PROMPTS
 from conftest import HEIGHT, MAX_SEQ, WIDTH
+from conftest import source_image as source
 from PIL import Image
 from test_hub import online_hub  # noqa: F401  (fixture)
 from test_models_families import exported_trainers
@@ -17,26 +19,6 @@ from test_models_families import exported_trainers
 from trl_flow.models import get_adapter, load_pipeline
 from trl_flow.models.flux_kontext import FluxKontextAdapter
 from trl_flow.testing import tiny_flux_kontext_pipeline
-
-PROMPTS = ["make it red", "add a dog", "green sky", "no car"]
-
-
-def source(seed, size=(WIDTH, HEIGHT)):
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
-
-
-@pytest.fixture
-def edit_dataset(tmp_path):
-    """An editing dataset: prompts and source-image paths (files written in tmp_path)."""
-    from datasets import Dataset
-
-    paths = []
-    for i in range(len(PROMPTS)):
-        paths.append(str(tmp_path / f"src{i}.png"))
-        source(i).save(paths[-1])
-    return Dataset.from_dict({"prompt": PROMPTS, "source_image": paths})
-
 
 def make_adapter(**kwargs):
     return FluxKontextAdapter(tiny_flux_kontext_pipeline(**kwargs), source_size="source")
