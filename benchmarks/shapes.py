@@ -274,11 +274,13 @@ def _category_prompts(split: str, category: str) -> list[str]:
 
 def edit_rows(tier: dict, split: str | None = None, scale: float = 1.0) -> dict[str, list]:
     """The editing tier's rows: ``split=None`` the training rows (each trained instruction on ``EDIT_SCENES`` fixed
-    scenes), else the evaluation split's ``n`` fresh scenes (seed ``EVAL_SEED``): ``{"prompt", "source_image"}``."""
+    scenes, or the tier's ``scenes``: ``--set scenes=N``), else the evaluation split's ``n`` fresh scenes (seed
+    ``EVAL_SEED``): ``{"prompt", "source_image"}``."""
     from trl_flow.tasks.shapes import edit
 
     if split is None:
-        rows = edit.edit_rows(list(tier["train"]), len(tier["train"]) * EDIT_SCENES, EDIT_SCENE_SEED)
+        scenes = tier.get("scenes", EDIT_SCENES)
+        rows = edit.edit_rows(list(tier["train"]), len(tier["train"]) * scenes, EDIT_SCENE_SEED)
     else:
         source, n = tier["evals"][split]
         n = max(1, int(n * scale))
@@ -492,7 +494,9 @@ def _task(tier: dict) -> dict:
     return {"train": tier["train"] if isinstance(tier["train"], str) else list(tier["train"]),
             "evals": {k: [v[0] if isinstance(v[0], str) else list(v[0]), v[1]] for k, v in tier["evals"].items()},
             "primary": tier["primary"], "score": tier["score"], "reward": tier["reward"],
-            "config": TIER_CONFIGS.get(tier.get("config"), {})}
+            "config": TIER_CONFIGS.get(tier.get("config"), {}),
+            # recorded only when not EDIT_SCENES, so runs made before the option share a task with default ones
+            **({"scenes": tier["scenes"]} if tier.get("scenes", EDIT_SCENES) != EDIT_SCENES else {})}
 
 
 # --------------------------------------------------------------------------------------------- summary
@@ -831,8 +835,13 @@ def main(argv=None):
         if key in ("reward", "config"):
             TIERS[args.tier] = {**TIERS[args.tier], key: val}
         elif key not in BASE:
-            raise SystemExit(f"--set {kv}: {key!r} is not a BASE key ({', '.join(BASE)}), 'reward' or 'config'")
+            raise SystemExit(f"--set {kv}: {key!r} is not a BASE key ({', '.join(BASE)}), 'reward', 'config' or "
+                             "'scenes' (tier 6)")
         else:
+        elif key == "scenes":  # the editing tier's source scenes per trained instruction
+            if TIERS[args.tier].get("task") != "edit" or not val.isdigit() or int(val) < 1:
+                raise SystemExit(f"--set {kv}: 'scenes' takes a positive integer, on the editing tier (6) only")
+            TIERS[args.tier] = {**TIERS[args.tier], "scenes": int(val)}
             PILOT[key] = type(BASE[key])(json.loads(val)) if not isinstance(BASE[key], str) else val
     if args.train_prompts:
         TIERS[args.tier] = subset_tier(TIERS[args.tier], args.train_prompts)

@@ -201,6 +201,20 @@ def test_editing_tier_instructions_follow_the_rule_and_its_task():
     assert all(im.size == (32, 32) for im in sets["trained"][2])
 
 
+def test_editing_tier_scenes_option():
+    """``--set scenes=N`` gives each trained instruction N source scenes (the first EDIT_SCENES of them the default
+    rows), recorded in the run's task only when not the default; bad values and other tiers are refused."""
+    mod = _load()
+    default, more = mod.edit_rows(mod.TIERS[6]), mod.edit_rows({**mod.TIERS[6], "scenes": 20})
+    assert len(more["prompt"]) == 8 * 20 and more["prompt"][: len(default["prompt"])] == default["prompt"]
+    assert len({im.tobytes() for im in more["source_image"]}) >= 0.9 * 8 * 20  # own scenes (a few repeat by chance)
+    assert "scenes" not in mod._task(mod.TIERS[6]) and mod._task({**mod.TIERS[6], "scenes": 20})["scenes"] == 20
+    for argv in (["--tier", "6", "--set", "scenes=0"], ["--tier", "2", "--set", "scenes=20"],
+                 ["--tier", "6", "--set", "scenes=x"]):
+        with pytest.raises(SystemExit, match="'scenes' takes a positive integer"):
+            mod.main(argv + ["--summarise-only", "--out", "/nonexistent"])
+
+
 def test_flow_grpo_trains_on_the_editing_tier(tmp_path):
     """Two Flow-GRPO iterations on the tier's rows (committed base, shapes_edit reward, a small budget): finite
     losses, the LoRA moves; the tier's evaluation scores each split with the edit detector."""
