@@ -239,20 +239,23 @@ METHODS = {
     "flow_grpo_2epochs": ("FlowGRPOConfig", "FlowGRPOTrainer", {"num_inner_epochs": 2}),
     "flow_dppo_symmetric": ("FlowDPPOConfig", "FlowDPPOTrainer", {"num_inner_epochs": 2, "kl_mask_mode": "symmetric"}),
     "op_grpo_kl_mask": ("OPGRPOConfig", "OPGRPOTrainer", {"trust_region": "kl_mask"}),
-    # Stepwise-Flow-GRPO: its own defaults (flow_sde since issue 16's measurement, shared noise per group, T' = 5,
-    # joint normalisation)
-    "stepwise": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {}),
-    "stepwise_per_step": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {"gain_normalization": "per_step"}),
+    # Stepwise-Flow-GRPO: its own defaults (flow_sde since issue 16's measurement, shared noise per group, joint
+    # normalisation) at the paper's T' = 5 (the default until issue 37's measurement, now 2: `stepwise_t2`), so the
+    # committed `stepwise@...` runs keep their meaning
+    "stepwise": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {"num_substeps": 5}),
+    "stepwise_per_step": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer",
+                          {"gain_normalization": "per_step", "num_substeps": 5}),
     "stepwise_t1": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {"num_substeps": 1}),
     # the paper's cheaper estimates (it reports its results robust to T' in {2, 5, 8})
     "stepwise_t2": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {"num_substeps": 2}),
     "stepwise_t3": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {"num_substeps": 3}),
     # the paper's ddim kernel (the default until issue 16's measurement): its early stds are tiny, so its clip binds
     # sooner; with eta 1 and with a 5x wider clip
-    "stepwise_ddim": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {"sampler": "ddim"}),
-    "stepwise_ddim_eta1": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {"sampler": "ddim", "noise_level": 1.0}),
+    "stepwise_ddim": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {"sampler": "ddim", "num_substeps": 5}),
+    "stepwise_ddim_eta1": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer",
+                           {"sampler": "ddim", "noise_level": 1.0, "num_substeps": 5}),
     "stepwise_ddim_clip5e-3": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer",
-                               {"sampler": "ddim", "clip_range": 5e-3}),
+                               {"sampler": "ddim", "clip_range": 5e-3, "num_substeps": 5}),
     "op_grpo_unclipped_term": ("OPGRPOConfig", "OPGRPOTrainer", {"importance_weight_placement": "unclipped_term"}),
     # DiffusionNFT (issue 41): its own defaults (deterministic `ode` rollout from the old policy, nft_beta 1, decay_type
     # 1, 9 of 10 timesteps), CFG-free in rollout, update and evaluation; each sample its own noise (with a
@@ -834,14 +837,14 @@ def main(argv=None):
         key, _, val = kv.partition("=")
         if key in ("reward", "config"):
             TIERS[args.tier] = {**TIERS[args.tier], key: val}
-        elif key not in BASE:
-            raise SystemExit(f"--set {kv}: {key!r} is not a BASE key ({', '.join(BASE)}), 'reward', 'config' or "
-                             "'scenes' (tier 6)")
-        else:
         elif key == "scenes":  # the editing tier's source scenes per trained instruction
             if TIERS[args.tier].get("task") != "edit" or not val.isdigit() or int(val) < 1:
                 raise SystemExit(f"--set {kv}: 'scenes' takes a positive integer, on the editing tier (6) only")
             TIERS[args.tier] = {**TIERS[args.tier], "scenes": int(val)}
+        elif key not in BASE:
+            raise SystemExit(f"--set {kv}: {key!r} is not a BASE key ({', '.join(BASE)}), 'reward', 'config' or "
+                             "'scenes' (tier 6)")
+        else:
             PILOT[key] = type(BASE[key])(json.loads(val)) if not isinstance(BASE[key], str) else val
     if args.train_prompts:
         TIERS[args.tier] = subset_tier(TIERS[args.tier], args.train_prompts)

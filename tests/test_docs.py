@@ -457,3 +457,45 @@ def test_op_grpo_described_form_table_is_the_committed_summary():
         assert row in docs, row
         assert abs(t) < 2.78, "the doc says the final scores do not separate"
         assert tk <= -2.78, "the doc says the KL is lower at every rate"
+
+
+def test_stepwise_substeps_table_is_the_committed_summaries():
+    """docs/stepwise_flow_grpo.md's T' table (issue 37: the default T' = 2 rests on it) quotes tier 2's committed
+    summaries: final strict and Welch t against Flow-GRPO on sets A and B (3 seeds a row), CPU per iteration and CPU
+    to the target against Flow-GRPO's on set B (one machine), and no row separates from Flow-GRPO or T' = 5."""
+    import math
+    import statistics as st
+
+    from trl_flow import StepwiseFlowGRPOConfig
+
+    docs = open(os.path.join(ROOT, "docs", "stepwise_flow_grpo.md")).read()
+    res = os.path.join(ROOT, "benchmarks", "results")
+    a = json.load(open(os.path.join(res, "shapes_tier2_matched", "summary.json")))["methods"]
+    b_sum = json.load(open(os.path.join(res, "shapes_tier2b", "summary.json")))
+    b = b_sum["methods"]
+    assert b_sum["cpu_comparable"]
+
+    def t(x, y):
+        return (st.mean(x) - st.mean(y)) / math.sqrt(st.variance(x) / len(x) + st.variance(y) / len(y))
+
+    def final(d, label):
+        m = d.get(label)
+        if m is None:
+            return "not run"
+        assert len(m["seeds"]) >= 3, label
+        return (f"{m['final_mean']:.3f} +- {m['final_std']:.3f}" + ("" if label == "flow_grpo@0.001" else
+                f" (t {t(m['final_per_seed'], d['flow_grpo@0.001']['final_per_seed']):+.1f})"))
+
+    fg_cpu = b["flow_grpo@0.001"]["cpu_s_per_iter"][0]
+    for name, label in (("Flow-GRPO", "flow_grpo@0.001"), ("T' = 2", "stepwise_t2@0.001"),
+                        ("T' = 3", "stepwise_t3@0.001"), ("T' = 5", "stepwise@0.001")):
+        cpu = (f"{b[label]['cpu_s_per_iter'][0] / fg_cpu:.2f}x | {b[label]['cpu_to_target']:.2f}x"
+               if label in b else "not run | not run")
+        row = f"| {name} | {final(a, label)} | {final(b, label)} | {cpu} |"
+        assert row in docs, row
+        for d in (a, b):
+            if label in d and label != "flow_grpo@0.001":
+                assert abs(t(d[label]["final_per_seed"], d["flow_grpo@0.001"]["final_per_seed"])) < 2.78, label
+    t52 = t(a["stepwise@0.001"]["final_per_seed"], a["stepwise_t2@0.001"]["final_per_seed"])
+    assert f"T' = 5 against T' = 2 on set A: t {t52:+.1f}" in docs and abs(t52) < 2.78
+    assert StepwiseFlowGRPOConfig().num_substeps == 2

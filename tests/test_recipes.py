@@ -55,7 +55,7 @@ def test_the_shipped_recipes_cover_every_trainer_and_task():
 
 def test_sd35m_recipes_carry_the_published_settings():
     """METHODS.md: 512 px, 10 rollout / 40 eval steps, cfg 4.5, G 24, lr 3e-4, LoRA 32/64, EMA 0.9, grad clip 1;
-    Flow-GRPO clip 1e-4, beta 0.04 (GenEval, OCR) / 0.01 (PickScore); OP-GRPO 25% off-policy; Stepwise ddim;
+    Flow-GRPO clip 1e-4, beta 0.04 (GenEval, OCR) / 0.01 (PickScore); OP-GRPO 25% off-policy; Stepwise ddim, T' 5;
     Flow-DPPO as its released code: beta 0, one pass, no clip, the Flow-GRPO recipes' batch layout (equal steps)."""
     for name in (n for n in RECIPES if n.startswith("sd35m_") and "diffusion_nft" not in n):
         r = _raw(name)
@@ -73,8 +73,8 @@ def test_sd35m_recipes_carry_the_published_settings():
             assert float(r["clip_range"]) == 1e-4 and r["beta"] == (0.01 if task == "pickscore" else 0.04)
         if method != "stepwise":
             assert (r["sampler"], r["noise_level"]) == ("flow_sde", 0.7)
-        else:
-            assert r["sampler"] == "ddim"
+        else:  # the paper's kernel and T' (the config's default T' is 2, measured equal on shapes)
+            assert r["sampler"] == "ddim" and r["num_substeps"] == 5
         if method == "op_grpo":
             assert r["off_policy_fraction"] == 0.25 and r["off_policy_correction"] == "sequence"
         assert r["reward_funcs"] == {"geneval": ["http://127.0.0.1:18085"], "ocr": ["ocr"],

@@ -44,7 +44,7 @@ def test_config_defaults_and_bad_values(tmp_path):
     import trl
 
     cfg = StepwiseFlowGRPOConfig(output_dir=str(tmp_path))
-    assert (cfg.sampler, cfg.same_noise_per_group, cfg.num_substeps, cfg.gain_normalization) == ("flow_sde", True, 5, "joint")
+    assert (cfg.sampler, cfg.same_noise_per_group, cfg.num_substeps, cfg.gain_normalization) == ("flow_sde", True, 2, "joint")
     for field in dataclasses.fields(StepwiseFlowGRPOConfig):
         assert len(field.metadata.get("help", "")) > 10, field.name
     for bad, name in (({"num_substeps": 0}, "num_substeps"), ({"num_substeps": 2.5}, "num_substeps"),
