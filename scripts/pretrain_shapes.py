@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -38,6 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from trl_flow.tasks.shapes import grammar, model  # noqa: E402
 from trl_flow.tasks.shapes.benchmark import evaluate_pipeline  # noqa: E402
+from trl_flow.tasks.shapes.pretraining import optimizer_step, run_steps, set_lr  # noqa: E402
 from trl_flow.tasks.shapes.reward import format_evaluation  # noqa: E402
 from trl_flow.tasks.shapes.render import render  # noqa: E402
 
@@ -119,12 +119,6 @@ def render_data(n: int, weights: dict[str, float], seed: int, flip_relation: flo
     return images, idx, captions, {}
 
 
-def lr_at(step: int, total: int, warmup: int) -> float:
-    if step < warmup:
-        return (step + 1) / warmup
-    return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
-
-
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -186,8 +180,7 @@ def main(argv=None):
     gen = torch.Generator().manual_seed(args.seed + 1)
 
     def train_step(step, total):
-        for g in opt.param_groups:
-            g["lr"] = g["peak_lr"] * lr_at(step, total, args.warmup)
+        set_lr(opt, step, total, args.warmup)
         b = torch.randint(0, len(latents), (args.batch_size,), generator=gen)
         x0 = latents[b]
         pidx = prompt_idx[b].clone()
@@ -206,45 +199,12 @@ def main(argv=None):
             hidden_states=xt, timestep=t * 1000, encoder_hidden_states=enc, pooled_projections=pool,
             return_dict=False,
         )[0]
-        loss = torch.nn.functional.mse_loss(pred, eps - x0)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        with torch.no_grad():
-            torch._foreach_lerp_(ema, [p.detach() for p in params], 1 - args.ema)
-        return loss.item()
+        return optimizer_step(opt, params, ema, args.ema, torch.nn.functional.mse_loss(pred, eps - x0))
 
-    total = args.steps
-    step = 0
-    smooth = None
-    losses = []
-    t_train = time.time()
-    if total is None:  # timing run: these steps count as the first steps of the real run (warm-up phase)
-        calib = 40
-        for step in range(calib):
-            loss = train_step(step, 10**9)
-            if step == 9:
-                t_calib = time.time()
-            losses.append(loss)
-        sec = (time.time() - t_calib) / (calib - 10)
-        total = int((args.minutes * 60 - (time.time() - t_train)) / sec) + calib
-        step = calib
-        print(f"timing: {sec:.3f} s/step at batch {args.batch_size} with {args.threads} thread(s) -> "
-              f"--steps {total} for {args.minutes} min", flush=True)
-    while step < total:
-        loss = train_step(step, total)
-        losses.append(loss)
-        smooth = loss if smooth is None else 0.99 * smooth + 0.01 * loss
-        step += 1
-        if step % args.log_every == 0 or step == total:
-            el = time.time() - t_train
-            print(f"step {step}/{total} loss {loss:.4f} smoothed {smooth:.4f} lr {opt.param_groups[0]['lr']:.2e} "
-                  f"{el / step:.3f} s/step elapsed {el / 60:.1f} min", flush=True)
-    train_seconds = time.time() - t_train
+    total, losses, train_seconds = run_steps(train_step, args.steps, args.minutes, batch_size=args.batch_size,
+                                             threads=args.threads, log_every=args.log_every,
+                                             lr_now=lambda: opt.param_groups[0]["lr"])
     final_loss = float(np.mean(losses[-200:]))
-    print(f"trained {total} steps in {train_seconds:.0f}s; mean loss of the last 200 steps {final_loss:.4f}",
-          flush=True)
 
     # ---- choose EMA / raw weights and the shift on a validation set (train prompts, fresh images)
     for m in trained.values():

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -36,6 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from trl_flow.tasks.shapes import edit, model_edit  # noqa: E402
 from trl_flow.tasks.shapes.edit_reward import evaluate_edits  # noqa: E402
+from trl_flow.tasks.shapes.pretraining import optimizer_step, run_steps, set_lr  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -59,12 +59,6 @@ def parse_args(argv=None):
                         "instead of a fresh transformer; its VAE and text encoders are kept. Use another --seed than "
                         "the run it continues, so that the rendered pairs are new")
     return p.parse_args(argv)
-
-
-def lr_at(step: int, total: int, warmup: int) -> float:
-    if step < warmup:
-        return (step + 1) / warmup
-    return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
 
 
 def encode_images(pipe, images: np.ndarray) -> torch.Tensor:
@@ -134,8 +128,7 @@ def main(argv=None):
     gen = torch.Generator().manual_seed(args.seed + 1)
 
     def train_step(step, total):
-        for g in opt.param_groups:
-            g["lr"] = args.lr * lr_at(step, total, args.warmup)
+        set_lr(opt, step, total, args.warmup)
         sel = torch.randint(0, b, (args.batch_size,), generator=gen)
         x0, cond, k = tgt_tok[sel], src_tok[sel], idx[sel]
         t = torch.sigmoid(torch.randn(args.batch_size, generator=gen))  # logit-normal
@@ -144,40 +137,12 @@ def main(argv=None):
         pred = transformer(hidden_states=torch.cat([xt, cond], 1), timestep=t, guidance=None,
                            pooled_projections=pooled[k], encoder_hidden_states=pe[k], txt_ids=txt_ids, img_ids=ids,
                            return_dict=False)[0][:, :n_tok]
-        loss = torch.nn.functional.mse_loss(pred, eps - x0)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        with torch.no_grad():
-            torch._foreach_lerp_(ema, [p.detach() for p in params], 1 - args.ema)
-        return loss.item()
+        return optimizer_step(opt, params, ema, args.ema, torch.nn.functional.mse_loss(pred, eps - x0))
 
-    total, step, smooth, losses = args.steps, 0, None, []
-    t_train = time.time()
-    if total is None:  # timing run: these steps count as the first steps of the real run (warm-up phase)
-        calib = 40
-        for step in range(calib):
-            losses.append(train_step(step, 10**9))
-            if step == 9:
-                t_calib = time.time()
-        sec = (time.time() - t_calib) / (calib - 10)
-        total = int((args.minutes * 60 - (time.time() - t_train)) / sec) + calib
-        step = calib
-        print(f"timing: {sec:.3f} s/step at batch {args.batch_size} with {args.threads} thread(s) -> --steps {total} "
-              f"for {args.minutes} min", flush=True)
-    while step < total:
-        loss = train_step(step, total)
-        losses.append(loss)
-        smooth = loss if smooth is None else 0.99 * smooth + 0.01 * loss
-        step += 1
-        if step % args.log_every == 0 or step == total:
-            el = time.time() - t_train
-            print(f"step {step}/{total} loss {loss:.4f} smoothed {smooth:.4f} lr {opt.param_groups[0]['lr']:.2e} "
-                  f"{el / step:.3f} s/step elapsed {el / 60:.1f} min", flush=True)
-    train_seconds = time.time() - t_train
+    total, losses, train_seconds = run_steps(train_step, args.steps, args.minutes, batch_size=args.batch_size,
+                                             threads=args.threads, log_every=args.log_every,
+                                             lr_now=lambda: opt.param_groups[0]["lr"])
     final_loss = float(np.mean(losses[-200:]))
-    print(f"trained {total} steps in {train_seconds:.0f}s; mean loss of the last 200 steps {final_loss:.4f}", flush=True)
 
     # ---- choose EMA / raw weights on fresh scenes of the train instructions
     transformer.eval()

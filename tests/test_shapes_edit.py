@@ -233,3 +233,28 @@ def test_flow_grpo_trains_on_the_editing_tier(tmp_path):
         o = out[split]["overall"]
         assert 0 <= o["strict"] <= o["partial"] <= 1 and o["n"] in (2, 4)
     assert np.isfinite(out["kl"])
+
+
+def test_pretrain_edit_script_runs_a_tiny_budget(tmp_path):
+    """scripts/pretrain_shapes_edit.py end to end on a tiny budget (3 steps, continuing the committed base): the
+    saved pipeline loads, its transformer moved, its VAE did not, and training_info.json records the run."""
+    from test_shapes_task import _script
+
+    from trl_flow.tasks.shapes import model_edit
+
+    mod = _script("pretrain_shapes_edit")
+    out = str(tmp_path / "edit")
+    n = torch.get_num_threads()
+    try:
+        mod.main(["--init-from", model_edit.EDIT_BASE_MODEL_DIR, "--out", out, "--steps", "3", "--warmup", "1",
+                  "--num-pairs", "32", "--batch-size", "8", "--eval-per-split", "2", "--eval-steps", "2",
+                  "--save", "raw", "--seed", "1"])
+    finally:
+        torch.set_num_threads(n)
+    info = json.load(open(os.path.join(out, "training_info.json")))
+    assert info["steps"] == 3 and info["weights"] == "raw" and info["init_from"] == model_edit.EDIT_BASE_MODEL_DIR
+    base, trained = model_edit.load_edit_base_pipeline(), model_edit.load_edit_base_pipeline(path=out)
+    a, b = base.transformer.state_dict(), trained.transformer.state_dict()
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+    va, vb = base.vae.state_dict(), trained.vae.state_dict()
+    assert all(torch.equal(va[k], vb[k]) for k in va)

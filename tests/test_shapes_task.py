@@ -514,3 +514,36 @@ def test_position_failures_share_out_every_sample(base_pipe):
     assert 0.0 <= out["relation"] <= 1.0 and 0 < out["n_relation"] <= 16
     # the clean base draws the relation right (0.97 in docs/shapes.md): relation-only failures are rare
     assert out["relation"] > 0.7 and kinds["relation"] < 0.3
+
+
+def test_pretraining_schedule_update_and_timed_loop(capsys):
+    """trl_flow.tasks.shapes.pretraining (shared by both pretraining scripts): warm-up then cosine to 0, per-group
+    peak rates, the update with its EMA, and a timed run whose first steps count toward its total."""
+    import math
+
+    from trl_flow.tasks.shapes import pretraining as pt
+
+    assert [pt.lr_at(s, 10, 4) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert pt.lr_at(4, 10, 4) == 1.0 and pt.lr_at(7, 10, 4) == 0.5 * (1 + math.cos(math.pi * 0.5))
+    assert pt.lr_at(10, 10, 4) == 0.0 and pt.lr_at(50, 10, 4) == 0.0
+    w = torch.nn.Parameter(torch.ones(3))
+    v = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([{"params": [w], "lr": 0.1}, {"params": [v], "lr": 0.1, "peak_lr": 0.4}], lr=0.1)
+    pt.set_lr(opt, 1, 10, 4)
+    pt.set_lr(opt, 1, 10, 4)  # idempotent: the peak is kept, not the last rate
+    assert [g["lr"] for g in opt.param_groups] == [0.1 * 0.5, 0.4 * 0.5]
+    ema = [w.detach().clone(), v.detach().clone()]
+    loss = pt.optimizer_step(opt, [w, v], ema, 0.9, (w ** 2).sum() + (v ** 2).sum())
+    c = 2 / math.sqrt(5 * 2 ** 2)  # every gradient is 2, clipped to a total norm of 1
+    assert loss == 5.0 and torch.allclose(w, torch.full((3,), 1 - 0.05 * c)) and torch.allclose(v, torch.full((2,), 1 - 0.2 * c))
+    assert torch.allclose(ema[0], 0.9 + 0.1 * w.detach()) and torch.allclose(ema[1], 0.9 + 0.1 * v.detach())
+    seen = []
+    total, losses, _ = pt.run_steps(lambda s, t: seen.append((s, t)) or float(s), 5, 1.0, batch_size=1, threads=1,
+                                    log_every=2, lr_now=lambda: 0.0)
+    assert total == 5 and losses == [0.0, 1.0, 2.0, 3.0, 4.0] and seen == [(s, 5) for s in range(5)]
+    seen.clear()
+    total, losses, _ = pt.run_steps(lambda s, t: seen.append((s, t)) or 0.0, None, 0.0005, batch_size=1, threads=1,
+                                    log_every=10**6, lr_now=lambda: 0.0, calib=12)
+    assert [s for s, _ in seen] == list(range(len(seen))) and len(losses) == total == len(seen) >= 12
+    assert all(t == 10**9 for _, t in seen[:12]) and all(t == total for _, t in seen[12:])
+    assert f"--steps {total}" in capsys.readouterr().out
