@@ -433,27 +433,46 @@ def test_stepwise_grid_numbers_are_the_committed_measurement():
     assert " / ".join(f"{lin[t]:.3f}" for t in (2, 3, 5, 20)) + " at T' = 2 / 3 / 5 / 20" in docs
 
 
-def test_op_grpo_described_form_table_is_the_committed_summary():
-    """docs/op_grpo.md's described-form table (tier 2, three rates) is benchmarks/results/shapes_tier2_op/summary.json:
-    final score and Welch t, iterations to the target, KL to the base and its t, off-policy clip fraction (issue 38)."""
+def _op_described_form_rows(folder: str, cpu: bool) -> list[tuple[str, float, float]]:
+    """docs/op_grpo.md's described-form table rows from benchmarks/results/<folder>/summary.json, per rate: final
+    score and Welch t, iterations to the target (and, with ``cpu``, CPU-seconds to it: runs of one machine), KL to
+    the base and its t, off-policy clip fraction. Returns (row, t of the final score, t of the KL) per rate."""
     import math
     import statistics as st
 
-    docs = open(os.path.join(ROOT, "docs", "op_grpo.md")).read()
-    d = json.load(open(os.path.join(ROOT, "benchmarks", "results", "shapes_tier2_op", "summary.json")))["methods"]
+    d = json.load(open(os.path.join(ROOT, "benchmarks", "results", folder, "summary.json")))
+    assert not cpu or d["cpu_comparable"]
+    out = []
     for lr in ("0.0005", "0.001", "0.002"):
-        o, f = d[f"op_grpo@{lr}"], d[f"flow_grpo@{lr}"]
-        assert len(o["seeds"]) >= 3 and len(f["seeds"]) >= 3, lr
+        o, f = d["methods"][f"op_grpo@{lr}"], d["methods"][f"flow_grpo@{lr}"]
+        assert len(o["seeds"]) >= 3 and len(f["seeds"]) >= 3, (folder, lr)
         a, b = o["final_per_seed"], f["final_per_seed"]
         t = (st.mean(a) - st.mean(b)) / math.sqrt(st.variance(a) / len(a) + st.variance(b) / len(b))
         so = [x for x in o["steps_to_target_per_seed"] if x is not None]
         sf = [x for x in f["steps_to_target_per_seed"] if x is not None]
+        co = [x for x in o["cpu_to_target_per_seed"] if x is not None]
+        cf = [x for x in f["cpu_to_target_per_seed"] if x is not None]
         ko, kf = o["kl_final_ms"], f["kl_final_ms"]
         tk = (ko[0] - kf[0]) / math.sqrt(ko[1] ** 2 / len(o["seeds"]) + kf[1] ** 2 / len(f["seeds"]))
+        reached = f"seeds reaching it {len(so)}/{len(o['seeds'])} vs {len(sf)}/{len(f['seeds'])}"
+        steps = (f"{st.mean(so):.0f} vs {st.mean(sf):.0f} ({st.mean(so) / st.mean(sf):.2f}x; {reached})" if so and sf
+                 else f"not compared ({reached})")
+        cpu_cell = ""
+        if cpu:
+            cpu_cell = (f" {st.mean(co):.0f} vs {st.mean(cf):.0f} ({st.mean(co) / st.mean(cf):.2f}x) |" if co and cf
+                        else " not compared |")
         row = (f"| {float(lr):g} | {o['final_mean']:.3f} +- {o['final_std']:.3f} vs {f['final_mean']:.3f} +- "
-               f"{f['final_std']:.3f} (t {t:+.1f}) | {st.mean(so):.0f} vs {st.mean(sf):.0f} ({st.mean(so) / st.mean(sf):.2f}x; "
-               f"seeds reaching it {len(so)}/{len(o['seeds'])} vs {len(sf)}/{len(f['seeds'])}) | {ko[0]:.3f} vs "
-               f"{kf[0]:.3f} ({ko[0] / kf[0]:.2f}x, t {tk:+.1f}) | {100 * o['clip_frac_off_policy'][0]:.1f}% |")
+               f"{f['final_std']:.3f} (t {t:+.1f}) | {steps} |{cpu_cell} {ko[0]:.3f} vs {kf[0]:.3f} "
+               f"({ko[0] / kf[0]:.2f}x, t {tk:+.1f}) | {100 * o['clip_frac_off_policy'][0]:.1f}% |")
+        out.append((row, t, tk))
+    return out
+
+
+def test_op_grpo_described_form_table_is_the_committed_summary():
+    """docs/op_grpo.md's described-form table (tier 2, three rates) is benchmarks/results/shapes_tier2_op/summary.json:
+    final score and Welch t, iterations to the target, KL to the base and its t, off-policy clip fraction (issue 38)."""
+    docs = open(os.path.join(ROOT, "docs", "op_grpo.md")).read()
+    for row, t, tk in _op_described_form_rows("shapes_tier2_op", cpu=False):
         assert row in docs, row
         assert abs(t) < 2.78, "the doc says the final scores do not separate"
         assert tk <= -2.78, "the doc says the KL is lower at every rate"
