@@ -478,6 +478,26 @@ def test_op_grpo_described_form_table_is_the_committed_summary():
         assert tk <= -2.78, "the doc says the KL is lower at every rate"
 
 
+def test_op_grpo_sparse_tier_table_is_the_committed_summary():
+    """docs/op_grpo.md's sparse-tier table and its reading (issue 38) are benchmarks/results/shapes_sparse/summary.json:
+    the rows (with CPU-seconds to the target: one machine), the target and Flow-GRPO's gain, the cost per iteration."""
+    import statistics as st
+
+    docs = open(os.path.join(ROOT, "docs", "op_grpo.md")).read()
+    flat = " ".join(docs.split())
+    for row, t, tk in _op_described_form_rows("shapes_sparse", cpu=True):
+        assert row in docs, row
+        assert abs(t) < 2.78, "the doc says the final scores do not separate"
+        assert tk <= -2.78, "the doc says the KL is lower at every rate"
+    d = json.load(open(os.path.join(ROOT, "benchmarks", "results", "shapes_sparse", "summary.json")))
+    gain = d["methods"]["flow_grpo@0.001"]["final_mean"] - d["base"]
+    assert f"gains only +{gain:.3f}" in flat and f"is {d['target']:.3f}, about" in flat
+    cost = {m: st.mean(d["methods"][f"{m}@{lr}"]["cpu_s_per_iter"][0] for lr in ("0.0005", "0.001", "0.002"))
+            for m in ("op_grpo", "flow_grpo")}
+    assert (f"costs {cost['op_grpo'] / cost['flow_grpo']:.2f}x a Flow-GRPO one ({cost['op_grpo']:.1f} against "
+            f"{cost['flow_grpo']:.1f} CPU-s") in flat
+
+
 def test_stepwise_substeps_table_is_the_committed_summaries():
     """docs/stepwise_flow_grpo.md's T' table (issue 37: the default T' = 2 rests on it) quotes tier 2's committed
     summaries: final strict and Welch t against Flow-GRPO on sets A and B (3 seeds a row), CPU per iteration and CPU
@@ -518,3 +538,33 @@ def test_stepwise_substeps_table_is_the_committed_summaries():
     t52 = t(a["stepwise@0.001"]["final_per_seed"], a["stepwise_t2@0.001"]["final_per_seed"])
     assert f"T' = 5 against T' = 2 on set A: t {t52:+.1f}" in docs and abs(t52) < 2.78
     assert StepwiseFlowGRPOConfig().num_substeps == 2
+
+
+def test_sparse_tier_gains_in_benchmarks_md_are_the_committed_summary():
+    """docs/benchmarks.md's sparse-tier comparison (issue 38): each method's gain over the base per rate, mean +- std
+    over 3 seeds with its one-sample t, from benchmarks/results/shapes_sparse/summary.json; the acceptance it reports."""
+    import math
+    import statistics as st
+
+    flat = " ".join(open(os.path.join(ROOT, "docs", "benchmarks.md")).read().split())
+    d = json.load(open(os.path.join(ROOT, "benchmarks", "results", "shapes_sparse", "summary.json")))
+    for m in ("flow_grpo", "op_grpo"):
+        for lr in ("0.0005", "0.001", "0.002"):
+            g = [x - d["base"] for x in d["methods"][f"{m}@{lr}"]["final_per_seed"]]
+            assert len(g) >= 3
+            t = st.mean(g) / (st.stdev(g) / math.sqrt(len(g)))
+            assert f"+{st.mean(g):.3f} +- {st.stdev(g):.3f} (t {t:.1f})" in flat, (m, lr)
+    assert d["acceptance"]["gain_ok"] is False and "fails the tier's acceptance" in flat
+
+
+def test_readme_op_grpo_verdict_is_the_committed_summaries():
+    """README's OP-GRPO sentence (issue 38): the KL range over both tiers and three rates, and no final score
+    separating, from shapes_tier2_op and shapes_sparse."""
+    flat = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
+    ratios = []
+    for folder, cpu in (("shapes_tier2_op", False), ("shapes_sparse", True)):
+        d = json.load(open(os.path.join(ROOT, "benchmarks", "results", folder, "summary.json")))["methods"]
+        for lr in ("0.0005", "0.001", "0.002"):
+            ratios.append(d[f"op_grpo@{lr}"]["kl_final_ms"][0] / d[f"flow_grpo@{lr}"]["kl_final_ms"][0])
+        assert all(abs(t) < 2.78 for _, t, _ in _op_described_form_rows(folder, cpu))
+    assert f"ends at {min(ratios):.2f}-{max(ratios):.2f}x Flow-GRPO's KL to the base" in flat
