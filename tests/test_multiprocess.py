@@ -88,6 +88,12 @@ def test_two_processes_match_one(two_process_run, tmp_path, cls):
     records = mw.record_iterations(resumed)
     resumed.train(resume_from_checkpoint=str(run_dir / "checkpoint-1"))
     for key in ("states", "log_probs", "rewards", "advantages"):
+        if key == "advantages" and name == "StepwiseFlowGRPOTrainer":
+            # Stepwise scores intermediate estimates in eval batches whose composition follows the process count
+            # (each process batches its own (sample, step) pairs, one shared r_0 per group); with a trained LoRA
+            # a matmul's rounding then differs by batch, and the normalised gains carry it (measured: 3e-5 of 1.7)
+            torch.testing.assert_close(records[f"0/{key}"], two[f"1/{key}"], rtol=0, atol=1e-4)
+            continue
         assert torch.equal(records[f"0/{key}"], two[f"1/{key}"]), key
     lr = mw.lora(resumed)
     update = max(float(v.abs().max()) for k, v in lr.items() if "lora_B" in k)
