@@ -568,3 +568,37 @@ def test_readme_op_grpo_verdict_is_the_committed_summaries():
             ratios.append(d[f"op_grpo@{lr}"]["kl_final_ms"][0] / d[f"flow_grpo@{lr}"]["kl_final_ms"][0])
         assert all(abs(t) < 2.78 for _, t, _ in _op_described_form_rows(folder, cpu))
     assert f"ends at {min(ratios):.2f}-{max(ratios):.2f}x Flow-GRPO's KL to the base" in flat
+
+
+def test_op_grpo_sparse_ablation_table_is_the_committed_summary():
+    """docs/op_grpo.md's sparse-tier ablation table (issue 38; one seed each so far, and the doc says so) is seed 0 of
+    each run in benchmarks/results/shapes_sparse/results.json: final strict, KL to the base, mean off-policy clip
+    fraction over the iterations; the described form's seed 0 is its first row."""
+    import math
+    import statistics as st
+
+    docs = open(os.path.join(ROOT, "docs", "op_grpo.md")).read()
+    runs = json.load(open(os.path.join(ROOT, "benchmarks", "results", "shapes_sparse", "results.json")))["runs"]
+    names = {"op_grpo@0.001": "described form (sequence weight)", "op_grpo_per_step@0.001": "per-step ratio",
+             "op_grpo_no_correction@0.001": "no correction", "op_grpo_no_truncation@0.001": "no truncation",
+             "op_grpo_share_12@0.001": "12.5% replayed", "op_grpo_share_50@0.001": "50% replayed"}
+    shown, clips = 0, {}
+    for label, name in names.items():
+        seed0 = [r for r in runs if r["method"] == label and r["seed"] == 0]
+        if not seed0:
+            assert f"| {name} |" not in docs, f"{label} is quoted but not committed"
+            continue
+        r = seed0[0]
+        clip = st.mean(x for x in (i.get("clip_frac_off_policy") for i in r["iterations"])
+                       if x is not None and not math.isnan(x))
+        final, kl = r["evals"][-1]["trained"]["overall"]["strict"], r["evals"][-1]["kl"]
+        row = f"| {name} | {final:.3f} | {kl:.3f} | {100 * clip:.1f}% |"
+        assert row in docs, row
+        shown += label != "op_grpo@0.001"
+        clips[label] = clip
+    assert shown >= 4
+    flat = " ".join(docs.split())
+    ratio = clips["op_grpo_per_step@0.001"] / clips["op_grpo@0.001"]
+    assert f"the per-step ratio clips {ratio:.1f}x as often as the sequence weight" in flat and ratio > 1
+    finals = [r["evals"][-1]["trained"]["overall"]["strict"] for r in runs if r["method"] == "op_grpo@0.001"]
+    assert len(finals) >= 3 and f"spread {min(finals):.3f}-{max(finals):.3f})" in flat
