@@ -602,3 +602,15 @@ def test_op_grpo_sparse_ablation_table_is_the_committed_summary():
     assert f"the per-step ratio clips {ratio:.1f}x as often as the sequence weight" in flat and ratio > 1
     finals = [r["evals"][-1]["trained"]["overall"]["strict"] for r in runs if r["method"] == "op_grpo@0.001"]
     assert len(finals) >= 3 and f"spread {min(finals):.3f}-{max(finals):.3f})" in flat
+
+
+def test_diffusion_nft_first_runs_are_the_committed_results():
+    """docs/diffusion_nft.md's first runs (issue 41: seed 0 at lr 5e-4 and 2e-3) are
+    benchmarks/results/shapes_tier2_nft/results.json: base and final strict on the trained prompts, val, KL."""
+    flat = " ".join(open(os.path.join(ROOT, "docs", "diffusion_nft.md")).read().split())
+    runs = json.load(open(os.path.join(ROOT, "benchmarks", "results", "shapes_tier2_nft", "results.json")))["runs"]
+    for lr, text in ((0.0005, "5e-4"), (0.002, "2e-3")):
+        r = next(r for r in runs if r["method"] == f"diffusion_nft@{lr:g}" and r["seed"] == 0)
+        first, last = r["evals"][0], r["evals"][-1]
+        assert (f"{text} {first['trained']['overall']['strict']:.3f} -> {last['trained']['overall']['strict']:.3f} "
+                f"(val {last['val']['overall']['strict']:.3f}, KL {last['kl']:.3f})") in flat, lr
