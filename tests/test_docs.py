@@ -203,16 +203,23 @@ def _former_readme_summary() -> str:
     return text[start: text.index("## Overhead", start)]
 
 
-def test_results_page_and_readme_table_are_the_committed_results():
-    """docs/results.md and README.md's results table are what benchmarks/results_page.py renders from the committed
-    results (so every number they quote is a committed one), the README table stays within ten lines, and a
-    changed result changes the page."""
+def _results_page():
+    """benchmarks/results_page.py as a fresh module (a test may set its FIGURES without touching another's)."""
     import importlib.util
-    import tempfile
 
     spec = importlib.util.spec_from_file_location("results_page", os.path.join(ROOT, "benchmarks", "results_page.py"))
     page = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(page)
+    return page
+
+
+def test_results_page_and_readme_table_are_the_committed_results():
+    """docs/results.md and README.md's results table are what benchmarks/results_page.py renders from the committed
+    results (so every number they quote is a committed one), the README table stays within ten lines, and a
+    changed result changes the page."""
+    import tempfile
+
+    page = _results_page()
     page.FIGURES = tempfile.mkdtemp()
     panels = {name: page.load_panel(name) for name in page.PANELS}
     assert open(os.path.join(ROOT, "docs", "results.md"), encoding="utf-8").read() == page.render(panels), \
@@ -232,11 +239,7 @@ def test_results_page_and_readme_table_are_the_committed_results():
 
 def test_results_page_statistics():
     """Welch's t and the verdict words the results page uses."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("results_page", os.path.join(ROOT, "benchmarks", "results_page.py"))
-    page = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(page)
+    page = _results_page()
     # scipy-free reference value: a = [1, 2, 3], b = [4, 5, 6] -> t = -3 / sqrt(1/3 + 1/3)
     assert abs(page.welch_t([1, 2, 3], [4, 5, 6]) - (-3 / (2 / 3) ** 0.5)) < 1e-12
     assert page.welch_t([1], [2, 3]) is None
@@ -396,11 +399,7 @@ def test_sharp_base_numbers_are_the_committed_summary():
 def test_flow_dppo_matched_numbers_are_the_committed_runs():
     """docs/flow_dppo.md's matched-update statements are what the committed tier-2 runs give (results_page's
     statistics on benchmarks/results/shapes_tier2_matched)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("results_page", os.path.join(ROOT, "benchmarks", "results_page.py"))
-    page = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(page)
+    page = _results_page()
     p = page.load_panel("tier2")
     text = _page_text(os.path.join("docs", "flow_dppo.md"))
     one = page.compare(p, "flow_dppo_1epoch@0.001", "flow_grpo@0.001")
@@ -440,6 +439,7 @@ def _op_described_form_rows(folder: str, cpu: bool) -> list[tuple[str, float, fl
     import math
     import statistics as st
 
+    welch_t = _results_page().welch_t
     d = json.load(open(os.path.join(ROOT, "benchmarks", "results", folder, "summary.json")))
     assert not cpu or d["cpu_comparable"]
     out = []
@@ -447,7 +447,7 @@ def _op_described_form_rows(folder: str, cpu: bool) -> list[tuple[str, float, fl
         o, f = d["methods"][f"op_grpo@{lr}"], d["methods"][f"flow_grpo@{lr}"]
         assert len(o["seeds"]) >= 3 and len(f["seeds"]) >= 3, (folder, lr)
         a, b = o["final_per_seed"], f["final_per_seed"]
-        t = (st.mean(a) - st.mean(b)) / math.sqrt(st.variance(a) / len(a) + st.variance(b) / len(b))
+        t = welch_t(a, b)
         so = [x for x in o["steps_to_target_per_seed"] if x is not None]
         sf = [x for x in f["steps_to_target_per_seed"] if x is not None]
         co = [x for x in o["cpu_to_target_per_seed"] if x is not None]
@@ -502,9 +502,6 @@ def test_stepwise_substeps_table_is_the_committed_summaries():
     """docs/stepwise_flow_grpo.md's T' table (issue 37: the default T' = 2 rests on it) quotes tier 2's committed
     summaries: final strict and Welch t against Flow-GRPO on sets A and B (3 seeds a row), CPU per iteration and CPU
     to the target against Flow-GRPO's on set B (one machine), and no row separates from Flow-GRPO or T' = 5."""
-    import math
-    import statistics as st
-
     from trl_flow import StepwiseFlowGRPOConfig
 
     docs = open(os.path.join(ROOT, "docs", "stepwise_flow_grpo.md")).read()
@@ -514,8 +511,7 @@ def test_stepwise_substeps_table_is_the_committed_summaries():
     b = b_sum["methods"]
     assert b_sum["cpu_comparable"]
 
-    def t(x, y):
-        return (st.mean(x) - st.mean(y)) / math.sqrt(st.variance(x) / len(x) + st.variance(y) / len(y))
+    t = _results_page().welch_t
 
     def final(d, label):
         m = d.get(label)
