@@ -26,6 +26,15 @@ PAGE = os.path.join(ROOT, "docs", "results.md")
 FIGURES = os.path.join(ROOT, "docs", "figures")
 T_DIFF = 2.78
 
+# OP-GRPO's described ablations (issue 38), each against the described form at lr 1e-3; Flow-GRPO last.
+OP_ABLATIONS = {"op_grpo@0.001": "OP-GRPO (described form)",
+                "op_grpo_per_step@0.001": "per-step ratio instead of the sequence weight",
+                "op_grpo_no_correction@0.001": "no off-policy correction",
+                "op_grpo_no_truncation@0.001": "no truncation (nothing regenerated)",
+                "op_grpo_share_12@0.001": "12.5% of the samples replayed",
+                "op_grpo_share_50@0.001": "50% of the samples replayed",
+                "flow_grpo@0.001": "Flow-GRPO"}
+
 # Each panel: one committed results folder, the runs shown (label -> name on the page) and what they are.
 PANELS = {
     "tier2": dict(folder="shapes_tier2_matched", title="Tier 2, prompt set A (8 position prompts, trained-prompt strict)",
@@ -47,14 +56,15 @@ PANELS = {
                          "three learning rates",
                    methods={f"{m}@{lr}": f"{name}, lr {lr}" for lr in ("0.0005", "0.001", "0.002")
                             for m, name in (("flow_grpo", "Flow-GRPO"), ("op_grpo", "OP-GRPO"))}),
+    "tier2op_ablations": dict(folder="shapes_tier2_op",
+                              title="Tier 2, prompt set A: OP-GRPO's described ablations, lr 1e-3",
+                              methods=OP_ABLATIONS),
     "sparse_ablations": dict(folder="shapes_sparse", title="Tier 5, the sparse tier: OP-GRPO's described ablations, lr 1e-3",
-                             methods={"op_grpo@0.001": "OP-GRPO (described form)",
-                                      "op_grpo_per_step@0.001": "per-step ratio instead of the sequence weight",
-                                      "op_grpo_no_correction@0.001": "no off-policy correction",
-                                      "op_grpo_no_truncation@0.001": "no truncation (nothing regenerated)",
-                                      "op_grpo_share_12@0.001": "12.5% of the samples replayed",
-                                      "op_grpo_share_50@0.001": "50% of the samples replayed",
-                                      "flow_grpo@0.001": "Flow-GRPO"}),
+                             methods=OP_ABLATIONS),
+    "nft": dict(folder="shapes_tier2_nft",
+                title="Tier 2, prompt set A: DiffusionNFT sampled without CFG (its base: the same model without CFG), "
+                      "three learning rates",
+                methods={f"diffusion_nft@{lr}": f"DiffusionNFT, lr {lr}" for lr in ("0.0005", "0.001", "0.002")}),
     "tier3": dict(folder="shapes_tier3_sharp", title="Tier 3, sharp base (164 position prompts, held-out val strict)",
                   methods={"flow_grpo@0.0005": "Flow-GRPO", "flow_dppo@0.0005": "Flow-DPPO, 2 epochs"}),
 }
@@ -105,10 +115,18 @@ def load_panel(name: str) -> dict | None:
             "cpu_to_target": [reach(r, "cpu_s") for r in runs],
             "kl_at_target": [reach(r, "kl") for r in runs],
             "cpu_per_iter": [r["cpu_s"] / len(r["iterations"]) for r in runs],
+            "clip_off": [off_policy_clip(r) for r in runs],
             "calibration": [r.get("machine", {}).get("calibration_s") for r in runs],
             "curves": [[(e["step"], e["cpu_s"], e["kl"], e[split]["overall"][key]) for e in r["evals"]] for r in runs],
         }
     return out
+
+
+def off_policy_clip(run: dict) -> float | None:
+    """A run's off-policy clip fraction: the share of replayed steps whose ratio left the clip range
+    (``clip_frac_off_policy``), mean over the iterations that replayed; None for a run that never replays."""
+    xs = [x for x in (i.get("clip_frac_off_policy") for i in run["iterations"]) if x is not None and not math.isnan(x)]
+    return statistics.mean(xs) if xs else None
 
 
 def fmt(pair, nd=3) -> str:
@@ -129,8 +147,35 @@ def compare(p: dict, a: str, b: str, field: str = "final") -> dict | None:
             "ratio": statistics.mean(xa) / statistics.mean(xb) if statistics.mean(xb) else None}
 
 
+# ------------------------------------------------------------------------------------------------- quoted tables
+ABLATION_ROWS = {"op_grpo@0.001": "described form (sequence weight)", "op_grpo_per_step@0.001": "per-step ratio",
+                 "op_grpo_no_correction@0.001": "no correction", "op_grpo_no_truncation@0.001": "no truncation",
+                 "op_grpo_share_12@0.001": "12.5% replayed", "op_grpo_share_50@0.001": "50% replayed"}
+
+
+def ablation_table(p: dict) -> list[str]:
+    """docs/op_grpo.md's ablation table for one panel (``tier2op_ablations`` or ``sparse_ablations``): per committed
+    run, its seeds, final score, Welch t of the final score against the described form, KL to the base and
+    off-policy clip fraction, mean +- std over seeds (tests/test_docs.py checks the page against this)."""
+    rows = ["| run | seeds | final strict | vs the described form | KL to the base | off-policy clip fraction |",
+            "|---|---|---|---|---|---|"]
+    ref = p["methods"].get("op_grpo@0.001")
+    for label, name in ABLATION_ROWS.items():
+        m = p["methods"].get(label)
+        if m is None:
+            continue
+        t = None if label == "op_grpo@0.001" or ref is None else welch_t(m["final"], ref["final"])
+        vs = "reference" if label == "op_grpo@0.001" else ("n/a (one seed)" if t is None else f"t {t:+.1f}")
+        clip = ms(m["clip_off"])
+        clip_text = "n/a" if clip is None else (f"{100 * clip[0]:.1f}%" if clip[1] is None
+                                                  else f"{100 * clip[0]:.1f}% +- {100 * clip[1]:.1f}%")
+        rows.append(f"| {name} | {len(m['seeds'])} | {fmt(ms(m['final']))} | {vs} | {fmt(ms(m['kl']))} | {clip_text} |")
+    return rows
+
+
 # ------------------------------------------------------------------------------------------------- the claims
 SHORT = {"tier2": "set A", "tier2b": "set B", "tier2op": "set A", "sparse": "sparse tier", "sparse_ablations": "sparse tier",
+         "tier2op_ablations": "set A", "nft": "set A without CFG",
          "tier3": "tier 3"}
 
 
@@ -155,7 +200,7 @@ def cell(p: dict | None, a: str, b: str | None, field: str = "final") -> tuple[s
     ratio = f" ({c['ratio']:.2f}x)" if field != "final" and c["ratio"] is not None else ""
     t = "" if c["t"] is None else f", t {c['t']:+.1f}"
     n_a, n_b = len(p["methods"][a][field]), len(p["methods"][b][field])
-    reached = f", seeds reaching it {c['na']}/{n_a} vs {c['nb']}/{n_b}" if field != "final" else ""
+    reached = f", seeds reaching it {c['na']}/{n_a} vs {c['nb']}/{n_b}" if field.endswith("_target") else ""
     return f"{fmt(c['a'], nd)} vs {fmt(c['b'], nd)}{ratio}{t}{reached}", c["t"]
 
 
@@ -207,10 +252,16 @@ CLAIMS = [
       for lr in (5e-4, 1e-3, 2e-3)],
     ("OP-GRPO", "the same or a better final score than Flow-GRPO, lr 0.001", "+1.17% on average", ("tier2op", "sparse"),
      "op_grpo@0.001", "flow_grpo@0.001", "final", "higher"),
-    ("OP-GRPO", "removing the off-policy correction hurts (lr 0.001)", "diverges", ("sparse_ablations",),
-     "op_grpo@0.001", "op_grpo_no_correction@0.001", "final", "higher"),
-    ("OP-GRPO", "removing the truncation hurts (lr 0.001)", "unstable", ("sparse_ablations",),
+    ("OP-GRPO", "removing the off-policy correction hurts (lr 0.001)", "diverges",
+     ("tier2op_ablations", "sparse_ablations"), "op_grpo@0.001", "op_grpo_no_correction@0.001", "final", "higher"),
+    ("OP-GRPO", "removing the truncation hurts (lr 0.001)", "unstable", ("tier2op_ablations", "sparse_ablations"),
      "op_grpo@0.001", "op_grpo_no_truncation@0.001", "final", "higher"),
+    ("OP-GRPO", "the per-step ratio clips more replayed steps than the sequence weight (lr 0.001)",
+     "> 40% vs 11.8%", ("tier2op_ablations", "sparse_ablations"), "op_grpo_per_step@0.001", "op_grpo@0.001",
+     "clip_off", "higher"),
+    *[("DiffusionNFT", f"improves the base without CFG, lr {lr:g} (base: the model sampled without CFG)",
+       "GenEval 0.24 -> 0.98 without CFG", ("nft",), f"diffusion_nft@{lr:g}", None, "final", "higher")
+      for lr in (5e-4, 1e-3, 2e-3)],
     ("Flow-GRPO", "improves held-out prompts (sharp base, lr 5e-4)", "", ("tier3",), "flow_grpo@0.0005", None,
      "final", "higher"),
     ("Flow-DPPO", "beats Flow-GRPO on held-out prompts (2 epochs vs 1: not matched)", "GenEval2 78.9 vs 56.6",
@@ -326,6 +377,8 @@ def render(panels: dict) -> str:
         "- **OP-GRPO** (`OPGRPOTrainer`): replays good trajectories (a quarter of the samples, only the last tenth "
         "of the steps regenerated); here it saved no iterations on tier 2 or the sparse tier at any of three rates, "
         "and ended nearer the base (about half Flow-GRPO's KL) at the same score: choose it for that, not for speed.",
+        "- **DiffusionNFT** (`DiffusionNFTTrainer`): no log-probs, any sampler, CFG-free; trains on the forward "
+        "(noising) process. Its rows below start from the model sampled without CFG, a lower base than the others'.",
         "",
         "## Claims, per method",
         "",
@@ -344,7 +397,8 @@ def render(panels: dict) -> str:
                   "|---|---|---|---|---|---|"]
         for label, m in p["methods"].items():
             steps = [s for s in m["steps_to_target"] if s is not None]
-            reached = f"{fmt(ms(steps), 0)} ({len(steps)} of {len(m['seeds'])})" if steps else "not reached"
+            reached = (f"{fmt(ms(steps), 0)} ({len(steps)} of {len(m['seeds'])})" if steps else
+                       "not reached" if p["target"] is not None else "no target on this panel")
             lines.append(f"| {PANELS[name]['methods'][label]} | {len(m['seeds'])} | {fmt(ms(m['final']))} | "
                          f"{fmt(ms(m['kl']), 4)} | {reached} | {fmt(ms(m['cpu_per_iter']), 1)} |")
         lines += ["", f"Base: {p['base']:.3f}; folder `benchmarks/results/{PANELS[name]['folder']}/`.", ""]

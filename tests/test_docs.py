@@ -260,6 +260,21 @@ def test_results_page_statistics():
     assert page.claim_verdict(where, [machines, machines], "lower") == "not comparable yet (machines differ)"
     assert page.claim_verdict(where, [("a vs b", 1.0), ("not measured yet", None)], "higher") == \
         "within the noise on set A (set B: not measured)"
+    # the off-policy clip fraction: mean over the iterations that replayed (NaN / missing: none replayed)
+    nan = float("nan")
+    assert page.off_policy_clip({"iterations": [{"clip_frac_off_policy": 0.1}, {"clip_frac_off_policy": nan}, {},
+                                                {"clip_frac_off_policy": 0.3}]}) == 0.2
+    assert page.off_policy_clip({"iterations": [{}, {"clip_frac_off_policy": nan}]}) is None
+    # the ablation table: Welch t against the described form; one seed gets no t and says so
+    p = {"methods": {"op_grpo@0.001": {"seeds": [0, 1, 2], "final": [1, 2, 3], "kl": [0.1, 0.1, 0.1],
+                                       "clip_off": [0.05, 0.07, 0.09]},
+                     "op_grpo_per_step@0.001": {"seeds": [0, 1, 2], "final": [4, 5, 6], "kl": [0.2, 0.2, 0.2],
+                                                "clip_off": [0.2, 0.2, 0.2]},
+                     "op_grpo_share_50@0.001": {"seeds": [0], "final": [2], "kl": [0.3], "clip_off": [0.04]}}}
+    rows = page.ablation_table(p)
+    assert rows[2] == "| described form (sequence weight) | 3 | 2.000 +- 1.000 | reference | 0.100 +- 0.000 | 7.0% +- 2.0% |"
+    assert rows[3] == f"| per-step ratio | 3 | 5.000 +- 1.000 | t {3 / (2 / 3) ** 0.5:+.1f} | 0.200 +- 0.000 | 20.0% +- 0.0% |"
+    assert rows[4] == "| 50% replayed | 1 | 2.000 (1 seed) | n/a (one seed) | 0.300 (1 seed) | 4.0% |" and len(rows) == 5
 
 
 def test_readme_tier2_numbers_are_the_committed_summary():
@@ -566,38 +581,33 @@ def test_readme_op_grpo_verdict_is_the_committed_summaries():
     assert f"ends at {min(ratios):.2f}-{max(ratios):.2f}x Flow-GRPO's KL to the base" in flat
 
 
-def test_op_grpo_sparse_ablation_table_is_the_committed_summary():
-    """docs/op_grpo.md's sparse-tier ablation table (issue 38; one seed each so far, and the doc says so) is seed 0 of
-    each run in benchmarks/results/shapes_sparse/results.json: final strict, KL to the base, mean off-policy clip
-    fraction over the iterations; the described form's seed 0 is its first row."""
-    import math
+def test_op_grpo_ablation_tables_are_the_committed_summaries():
+    """docs/op_grpo.md's two ablation tables (issue 38: tier 2 set A and the sparse tier, lr 1e-3) are
+    results_page.ablation_table of the committed results, row for row: every committed ablation, its seeds, final
+    strict, Welch t against the described form, KL to the base and off-policy clip fraction; and the sentences
+    quoting the per-step ratio's clip multiple are the committed means."""
     import statistics as st
 
+    rp = _results_page()
     docs = open(os.path.join(ROOT, "docs", "op_grpo.md")).read()
-    runs = json.load(open(os.path.join(ROOT, "benchmarks", "results", "shapes_sparse", "results.json")))["runs"]
-    names = {"op_grpo@0.001": "described form (sequence weight)", "op_grpo_per_step@0.001": "per-step ratio",
-             "op_grpo_no_correction@0.001": "no correction", "op_grpo_no_truncation@0.001": "no truncation",
-             "op_grpo_share_12@0.001": "12.5% replayed", "op_grpo_share_50@0.001": "50% replayed"}
-    shown, clips = 0, {}
-    for label, name in names.items():
-        seed0 = [r for r in runs if r["method"] == label and r["seed"] == 0]
-        if not seed0:
-            assert f"| {name} |" not in docs, f"{label} is quoted but not committed"
-            continue
-        r = seed0[0]
-        clip = st.mean(x for x in (i.get("clip_frac_off_policy") for i in r["iterations"])
-                       if x is not None and not math.isnan(x))
-        final, kl = r["evals"][-1]["trained"]["overall"]["strict"], r["evals"][-1]["kl"]
-        row = f"| {name} | {final:.3f} | {kl:.3f} | {100 * clip:.1f}% |"
-        assert row in docs, row
-        shown += label != "op_grpo@0.001"
-        clips[label] = clip
-    assert shown >= 4
     flat = " ".join(docs.split())
-    ratio = clips["op_grpo_per_step@0.001"] / clips["op_grpo@0.001"]
-    assert f"the per-step ratio clips {ratio:.1f}x as often as the sequence weight" in flat and ratio > 1
-    finals = [r["evals"][-1]["trained"]["overall"]["strict"] for r in runs if r["method"] == "op_grpo@0.001"]
-    assert len(finals) >= 3 and f"spread {min(finals):.3f}-{max(finals):.3f})" in flat
+    for panel, heading in (("tier2op_ablations", "**The described ablations on tier 2, prompt set A**"),
+                           ("sparse_ablations", "**The described ablations on the sparse tier**")):
+        p = rp.load_panel(panel)
+        table = rp.ablation_table(p)
+        assert "op_grpo@0.001" in p["methods"] and heading in docs, panel
+        after = docs.split(heading, 1)[1]
+        assert "\n".join(table) in after.split("\n\n**", 1)[0], f"{panel}: the table is not the committed one"
+        seeds = {len(p["methods"][label]["seeds"]) for label in rp.ABLATION_ROWS if label in p["methods"]}
+        if seeds != {3}:  # a table with fewer seeds on some row says so in its heading
+            assert "seeds so far" in after.split("\n", 1)[0], panel
+        quote = f"as often as the sequence weight ({rp.SHORT[panel]})"
+        if "op_grpo_per_step@0.001" not in p["methods"]:
+            assert quote not in flat, f"{panel}: the per-step ratio is quoted but not committed"
+            continue
+        clip = {label: st.mean(p["methods"][label]["clip_off"]) for label in ("op_grpo@0.001", "op_grpo_per_step@0.001")}
+        ratio = clip["op_grpo_per_step@0.001"] / clip["op_grpo@0.001"]
+        assert f"the per-step ratio clips {ratio:.1f}x {quote}" in flat, (panel, ratio)
 
 
 def test_diffusion_nft_first_runs_are_the_committed_results():
@@ -610,3 +620,11 @@ def test_diffusion_nft_first_runs_are_the_committed_results():
         first, last = r["evals"][0], r["evals"][-1]
         assert (f"{text} {first['trained']['overall']['strict']:.3f} -> {last['trained']['overall']['strict']:.3f} "
                 f"(val {last['val']['overall']['strict']:.3f}, KL {last['kl']:.3f})") in flat, lr
+    # the README's trainer table quotes seed 0 at each of the three rates
+    seed0 = [next(r for r in runs if r["method"] == f"diffusion_nft@{lr:g}" and r["seed"] == 0)
+             for lr in (0.0005, 0.001, 0.002)]
+    row = (f"{seed0[0]['evals'][0]['trained']['overall']['strict']:.3f} -> "
+           + " / ".join(f"{r['evals'][-1]['trained']['overall']['strict']:.3f}" for r in seed0)
+           + " at lr 5e-4 / 1e-3 / 2e-3")
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    assert "one seed per rate so far: " + row in readme and "| `DiffusionNFTTrainer` /" in readme, row
