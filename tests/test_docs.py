@@ -601,6 +601,11 @@ def test_op_grpo_ablation_tables_are_the_committed_summaries():
         seeds = {len(p["methods"][label]["seeds"]) for label in rp.ABLATION_ROWS if label in p["methods"]}
         if seeds != {3}:  # a table with fewer seeds on some row says so in its heading
             assert "seeds so far" in after.split("\n", 1)[0], panel
+        if "No ablation's final score separates from the described form's" in flat:
+            ts = [rp.welch_t(p["methods"][label]["final"], p["methods"]["op_grpo@0.001"]["final"])
+                  for label in rp.ABLATION_ROWS if label in p["methods"] and label != "op_grpo@0.001"]
+            assert all(abs(t) < rp.T_DIFF for t in ts if t is not None), (panel, ts)
+            assert f"every |t| in the tables is under {rp.T_DIFF}" in flat
         quote = f"as often as the sequence weight ({rp.SHORT[panel]})"
         if "op_grpo_per_step@0.001" not in p["methods"]:
             assert quote not in flat, f"{panel}: the per-step ratio is quoted but not committed"
