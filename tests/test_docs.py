@@ -584,14 +584,15 @@ def test_readme_op_grpo_verdict_is_the_committed_summaries():
 def test_op_grpo_ablation_tables_are_the_committed_summaries():
     """docs/op_grpo.md's two ablation tables (issue 38: tier 2 set A and the sparse tier, lr 1e-3) are
     results_page.ablation_table of the committed results, row for row: every committed ablation, its seeds, final
-    strict, Welch t against the described form, KL to the base and off-policy clip fraction; and the sentences
-    quoting the per-step ratio's clip multiple are the committed means."""
+    strict, Welch t against the described form, KL to the base and off-policy clip fraction; the sentences quoting
+    the per-step ratio's clip multiple are the committed means; the ablations whose final score separates are named
+    in docs/op_grpo.md and README.md."""
     import statistics as st
 
     rp = _results_page()
     docs = open(os.path.join(ROOT, "docs", "op_grpo.md")).read()
     flat = " ".join(docs.split())
-    separated = 0
+    separated = {}  # "<row> (<panel>, t <t>)" -> t, for every ablation whose final score separates
     for panel, heading in (("tier2op_ablations", "**The described ablations on tier 2, prompt set A**"),
                            ("sparse_ablations", "**The described ablations on the sparse tier**")):
         p = rp.load_panel(panel)
@@ -607,8 +608,8 @@ def test_op_grpo_ablation_tables_are_the_committed_summaries():
         ts = {label: rp.welch_t(p["methods"][label]["final"], p["methods"]["op_grpo@0.001"]["final"])
               for label in rp.ABLATION_ROWS if label in p["methods"] and label != "op_grpo@0.001"}
         apart = {label: t for label, t in ts.items() if t is not None and abs(t) >= rp.T_DIFF}
-        separated += len(apart)
         for label, t in apart.items():
+            separated[f"{rp.ABLATION_ROWS[label]} ({rp.SHORT[panel]}, t {t:+.1f})"] = t
             assert f"{rp.ABLATION_ROWS[label]} ({rp.SHORT[panel]}, t {t:+.1f})" in flat, (panel, label, t)
         quote = f"as often as the sequence weight ({rp.SHORT[panel]})"
         if "op_grpo_per_step@0.001" not in p["methods"]:
@@ -618,7 +619,12 @@ def test_op_grpo_ablation_tables_are_the_committed_summaries():
         ratio = clip["op_grpo_per_step@0.001"] / clip["op_grpo@0.001"]
         assert f"clips {ratio:.1f}x {quote}" in flat, (panel, ratio)
     none = f"No ablation's final score separates from the described form's (every |t| in the tables is under {rp.T_DIFF}"
-    assert (none in flat) == (separated == 0), separated
+    assert (none in flat) == (not separated), separated
+    # the README's sentence: the separating ablations by the same words, and "not below" only when none is below
+    readme = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
+    for quoted, t in separated.items():
+        assert quoted in readme, quoted
+    assert ("do not end below it on either tier" in readme) == all(t > 0 for t in separated.values())
 
 
 def test_diffusion_nft_first_runs_are_the_committed_results():
