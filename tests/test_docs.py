@@ -618,6 +618,16 @@ def test_op_grpo_ablation_tables_are_the_committed_summaries():
         clip = {label: st.mean(p["methods"][label]["clip_off"]) for label in ("op_grpo@0.001", "op_grpo_per_step@0.001")}
         ratio = clip["op_grpo_per_step@0.001"] / clip["op_grpo@0.001"]
         assert f"clips {ratio:.1f}x {quote}" in flat, (panel, ratio)
+    if "The replayed share (12.5%, 25%, 50%) moves no final score beyond the noise" in flat:
+        assert not [q for q in separated if q.startswith(("12.5% replayed", "50% replayed"))], separated
+    # the share sentence: on the sparse tier KL and clip fraction fall as the replayed share grows (3 seeds a row)
+    if "the larger the share, the nearer the base the policy ends and the fewer replayed steps clip" in flat:
+        m = rp.load_panel("sparse_ablations")["methods"]
+        shares = [m[label] for label in ("op_grpo_share_12@0.001", "op_grpo@0.001", "op_grpo_share_50@0.001")]
+        assert all(len(x["seeds"]) == 3 for x in shares)
+        for field in ("kl", "clip_off"):
+            means = [st.mean(x[field]) for x in shares]
+            assert means[0] > means[1] > means[2], (field, means)
     none = f"No ablation's final score separates from the described form's (every |t| in the tables is under {rp.T_DIFF}"
     assert (none in flat) == (not separated), separated
     # the README's sentence: the separating ablations by the same words, and "not below" only when none is below
