@@ -593,9 +593,10 @@ def test_op_grpo_ablation_tables_are_the_committed_summaries():
     docs = open(os.path.join(ROOT, "docs", "op_grpo.md")).read()
     flat = " ".join(docs.split())
     separated = {}  # "<row> (<panel>, t <t>)" -> t, for every ablation whose final score separates
+    panels = {}
     for panel, heading in (("tier2op_ablations", "**The described ablations on tier 2, prompt set A**"),
                            ("sparse_ablations", "**The described ablations on the sparse tier**")):
-        p = rp.load_panel(panel)
+        p = panels[panel] = rp.load_panel(panel)
         table = rp.ablation_table(p)
         assert "op_grpo@0.001" in p["methods"] and heading in docs, panel
         after = docs.split(heading, 1)[1]
@@ -609,8 +610,9 @@ def test_op_grpo_ablation_tables_are_the_committed_summaries():
               for label in rp.ABLATION_ROWS if label in p["methods"] and label != "op_grpo@0.001"}
         apart = {label: t for label, t in ts.items() if t is not None and abs(t) >= rp.T_DIFF}
         for label, t in apart.items():
-            separated[f"{rp.ABLATION_ROWS[label]} ({rp.SHORT[panel]}, t {t:+.1f})"] = t
-            assert f"{rp.ABLATION_ROWS[label]} ({rp.SHORT[panel]}, t {t:+.1f})" in flat, (panel, label, t)
+            quoted = f"{rp.ABLATION_ROWS[label]} ({rp.SHORT[panel]}, t {t:+.1f})"
+            separated[quoted] = t
+            assert quoted in flat, (panel, label, t)
         quote = f"as often as the sequence weight ({rp.SHORT[panel]})"
         if "op_grpo_per_step@0.001" not in p["methods"]:
             assert quote not in flat, f"{panel}: the per-step ratio is quoted but not committed"
@@ -622,7 +624,7 @@ def test_op_grpo_ablation_tables_are_the_committed_summaries():
         assert not [q for q in separated if q.startswith(("12.5% replayed", "50% replayed")) and "sparse" in q]
     # the share sentence: on the sparse tier KL and clip fraction fall as the replayed share grows (3 seeds a row)
     if "the larger the share, the nearer the base the policy ends and the fewer replayed steps clip" in flat:
-        m = rp.load_panel("sparse_ablations")["methods"]
+        m = panels["sparse_ablations"]["methods"]
         shares = [m[label] for label in ("op_grpo_share_12@0.001", "op_grpo@0.001", "op_grpo_share_50@0.001")]
         assert all(len(x["seeds"]) == 3 for x in shares)
         for field in ("kl", "clip_off"):
