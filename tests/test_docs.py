@@ -275,7 +275,42 @@ def test_results_page_statistics():
     assert rows[2] == "| described form (sequence weight) | 3 | 2.000 +- 1.000 | reference | 0.100 +- 0.000 | 7.0% +- 2.0% |"
     assert rows[3] == f"| per-step ratio | 3 | 5.000 +- 1.000 | t {3 / (2 / 3) ** 0.5:+.1f} | 0.200 +- 0.000 | 20.0% +- 0.0% |"
     assert rows[4] == "| 50% replayed | 1 | 2.000 (1 seed) | n/a (one seed) | 0.300 (1 seed) | 4.0% |" and len(rows) == 5
+    # clip fractions print as percentages in the claim cells too, as the paper gives them
+    assert page.fmt((0.249, 0.006), percent=True) == "24.9% +- 0.6%"
+    assert page.fmt((0.042, None), percent=True) == "4.2% (1 seed)"
 
+
+def test_results_page_panel_from_two_folders(tmp_path):
+    """A panel may take the runs its folder lacks from another folder (``extra``) and that folder's target
+    (``target_from``): DiffusionNFT without CFG against Flow-GRPO with CFG, to Flow-GRPO's absolute target. Its own
+    base stays its folder's; a folder scoring another split or score is refused by name."""
+    page = _results_page()
+
+    def run(method, seed, ys, split="trained"):
+        return {"method": method, "seed": seed, "cpu_s": 60.0, "iterations": [{}] * 6, "machine": {"calibration_s": 0.15},
+                "evals": [{"step": 10 * i, "cpu_s": 10.0 * i, "kl": 0.01 * i, split: {"overall": {"strict": y}}}
+                          for i, y in enumerate(ys)]}
+
+    def folder(name, base, target, runs, split="trained"):
+        os.makedirs(tmp_path / name)
+        with open(tmp_path / name / "results.json", "w") as f:
+            json.dump({"summary": {"split": split, "score_key": "strict", "target": target, "base": base}, "runs": runs}, f)
+
+    folder("nft", 0.1, None, [run("diffusion_nft@0.001", s, [0.1, 0.3, 0.5]) for s in (0, 1)])
+    folder("fg", 0.25, 0.4, [run("flow_grpo@0.001", s, [0.25, 0.35, 0.45]) for s in (0, 1)]
+           + [run("diffusion_nft@0.001", 9, [0.0, 0.0, 0.0])])  # a label the first folder has: never taken from here
+    page.RESULTS = str(tmp_path)
+    page.PANELS = {"p": dict(folder="nft", extra="fg", target_from="fg",
+                             methods={"diffusion_nft@0.001": "NFT", "flow_grpo@0.001": "FG"})}
+    p = page.load_panel("p")
+    assert p["base"] == 0.1 and p["target"] == 0.4
+    assert p["methods"]["diffusion_nft@0.001"]["seeds"] == [0, 1] and p["methods"]["flow_grpo@0.001"]["seeds"] == [0, 1]
+    assert p["methods"]["diffusion_nft@0.001"]["steps_to_target"] == [20, 20]
+    assert p["methods"]["flow_grpo@0.001"]["steps_to_target"] == [20, 20]
+    folder("val", 0.25, 0.4, [], split="val")
+    page.PANELS["p"]["extra"] = page.PANELS["p"]["target_from"] = "val"
+    with pytest.raises(ValueError, match="val"):
+        page.load_panel("p")
 
 def test_readme_tier2_numbers_are_the_committed_summary():
     """docs/benchmarks.md's tier-2 Flow-GRPO numbers (its section and the README's former summary, kept there) are
