@@ -116,10 +116,9 @@ def sparse_prompts(rows: list[dict], n: int = 8, max_rate: float = SPARSE_MAX_RA
 # The editing tier (tier 6, issue 40): instructions chosen by ``edit_tier_instructions``'s rule from the editing base's
 # measured per-instruction success (scripts/measure_shapes_edit_base.py -> EDIT_BASE_TABLE) before any run on it
 EDIT_BASE_TABLE = "benchmarks/results/shapes_edit_base/per_instruction.json"
-TIER6_INSTRUCTIONS = [  # measured base strict (of 64 scenes): 0.125, 0.094, 0.078, 0.078, 0.156, 0.141, 0.125, 0.125
-    "make the red triangle blue", "make the green circle red", "make the red circle blue", "make the red circle green",
-    "move the red circle right", "move the red triangle right", "move the green triangle down",
-    "move the blue triangle down",
+TIER6_INSTRUCTIONS = [  # measured base strict (of 64 scenes): 0.531, 0.438, 0.359, 0.328, 0.562, 0.547, 0.531, 0.484
+    "make the red circle green", "make the green circle red", "make the green square red", "make the red square green",
+    "move the green circle left", "move the red square right", "move the green square left", "move the blue circle down",
 ]
 EDIT_SCENES = 8  # fixed source scenes per trained instruction (train rows: 8 x 8 = 64, scene seed EDIT_SCENE_SEED)
 EDIT_SCENE_SEED = 0

@@ -183,6 +183,9 @@ def main(argv=None):
         "evaluation": report,
         "train_instructions": edit.train_instructions(), "test_instructions": edit.test_instructions(),
     }
+    if args.init_from:  # the history of the weights continued: the record of the run that made them, if any
+        prior = os.path.join(args.init_from, "training_info.json")
+        info["init_from_training_info"] = json.load(open(prior)) if os.path.exists(prior) else None
     with open(os.path.join(args.out, "training_info.json"), "w") as f:
         json.dump(info, f, indent=1)
     print(f"total wall-clock {(time.time() - t_start) / 60:.1f} min", flush=True)

@@ -253,6 +253,9 @@ def test_pretrain_edit_script_runs_a_tiny_budget(tmp_path):
         torch.set_num_threads(n)
     info = json.load(open(os.path.join(out, "training_info.json")))
     assert info["steps"] == 3 and info["weights"] == "raw" and info["init_from"] == model_edit.EDIT_BASE_MODEL_DIR
+    # the continued run's own record travels with it
+    assert info["init_from_training_info"] == json.load(open(os.path.join(model_edit.EDIT_BASE_MODEL_DIR,
+                                                                          "training_info.json")))
     base, trained = model_edit.load_edit_base_pipeline(), model_edit.load_edit_base_pipeline(path=out)
     a, b = base.transformer.state_dict(), trained.transformer.state_dict()
     assert any(not torch.equal(a[k], b[k]) for k in a)
