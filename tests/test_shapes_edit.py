@@ -261,3 +261,21 @@ def test_pretrain_edit_script_runs_a_tiny_budget(tmp_path):
     assert any(not torch.equal(a[k], b[k]) for k in a)
     va, vb = base.vae.state_dict(), trained.vae.state_dict()
     assert all(torch.equal(va[k], vb[k]) for k in va)
+
+
+def test_docs_quote_the_committed_editing_base():
+    """docs/shapes.md's editing-base numbers are those its training_info.json records: strict / partial on the train
+    and held-out instructions after both runs, the first run's alone, and the two runs' step counts."""
+    from trl_flow.tasks.shapes import model_edit
+
+    info = json.load(open(os.path.join(model_edit.EDIT_BASE_MODEL_DIR, "training_info.json")))
+    first = info["init_from_training_info"]
+    text = " ".join(open(os.path.join(ROOT, "docs", "shapes.md")).read().split())
+
+    def pair(ev, split):
+        return f"{ev[split]['overall']['strict']:.3f} / {ev[split]['overall']['partial']:.3f}"
+
+    assert (f"train instructions {pair(info['evaluation'], 'train')}, held-out {pair(info['evaluation'], 'test')}"
+            in text)
+    assert f"after the first run alone {pair(first['evaluation'], 'train')} and {pair(first['evaluation'], 'test')}" in text
+    assert f"({first['steps']:,} steps" in text and f"continued for {info['steps']:,} steps" in text
