@@ -225,6 +225,9 @@ def cell(p: dict | None, a: str, b: str | None, field: str = "final") -> tuple[s
     t = "" if c["t"] is None else f", t {c['t']:+.1f}"
     n_a, n_b = len(p["methods"][a][field]), len(p["methods"][b][field])
     reached = f", seeds reaching it {c['na']}/{n_a} vs {c['nb']}/{n_b}" if field.endswith("_target") else ""
+    if reached and (c["na"] < n_a or c["nb"] < n_b):
+        # a seed that never reached the target has no value: a t over the others would drop a side's failures
+        return f"{fmt(c['a'], nd)} vs {fmt(c['b'], nd)}{ratio}{reached}; not tested (a seed never reached it)", None
     pct = field == "clip_off"  # printed as percentages, as the paper and docs/op_grpo.md give them
     return f"{fmt(c['a'], nd, pct)} vs {fmt(c['b'], nd, pct)}{ratio}{t}{reached}", c["t"]
 
@@ -308,6 +311,8 @@ def why_not(cell_text: str) -> str:
     """Why a cell has no t: its reason in a few words."""
     if "CPU not compared" in cell_text:
         return "machines differ"
+    if "a seed never reached it" in cell_text:
+        return "a seed never reached the target"
     if " vs " in cell_text or " -> " in cell_text:
         return "too few seeds"
     return "not measured" if cell_text == "not measured yet" else cell_text
@@ -323,6 +328,8 @@ def claim_verdict(where, cells, better: str) -> str:
             return "too few seeds yet"
         if reasons == {"machines differ"}:
             return "not comparable yet (machines differ)"
+        if reasons == {"a seed never reached the target"}:
+            return "not tested (a seed never reached the target)"
         return "not yet: " + "; ".join(f"{SHORT[pn]} {why_not(c)}" for pn, (c, _) in zip(where, cells))
     v = verdict([t for t in ts if t is not None], better)
     missing = [(pn, c) for pn, (c, t) in zip(where, cells) if t is None]

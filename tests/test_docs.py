@@ -275,6 +275,13 @@ def test_results_page_statistics():
     assert rows[2] == "| described form (sequence weight) | 3 | 2.000 +- 1.000 | reference | 0.100 +- 0.000 | 7.0% +- 2.0% |"
     assert rows[3] == f"| per-step ratio | 3 | 5.000 +- 1.000 | t {3 / (2 / 3) ** 0.5:+.1f} | 0.200 +- 0.000 | 20.0% +- 0.0% |"
     assert rows[4] == "| 50% replayed | 1 | 2.000 (1 seed) | n/a (one seed) | 0.300 (1 seed) | 4.0% |" and len(rows) == 5
+    # a target field where a seed never reached the target gets no t (its failures would be dropped), and says so
+    p = {"methods": {"a": {"steps_to_target": [40, 40, 40]}, "b": {"steps_to_target": [30, 30, None]}}}
+    text, t = page.cell(p, "a", "b", "steps_to_target")
+    assert t is None and text.endswith("seeds reaching it 3/3 vs 2/3; not tested (a seed never reached it)")
+    assert page.claim_verdict(("tier2",), [(text, t)], "lower") == "not tested (a seed never reached the target)"
+    p["methods"]["b"]["steps_to_target"] = [30, 30, 20]
+    assert page.cell(p, "a", "b", "steps_to_target")[1] is not None
     # clip fractions print as percentages in the claim cells too, as the paper gives them
     assert page.fmt((0.249, 0.006), percent=True) == "24.9% +- 0.6%"
     assert page.fmt((0.042, None), percent=True) == "4.2% (1 seed)"
@@ -455,10 +462,14 @@ def test_flow_dppo_matched_numbers_are_the_committed_runs():
     one = page.compare(p, "flow_dppo_1epoch@0.001", "flow_grpo@0.001")
     two = page.compare(p, "flow_dppo@0.001", "flow_grpo_2epochs@0.001")
     epoch = page.compare(p, "flow_grpo_2epochs@0.001", "flow_grpo@0.001")
-    kl = page.compare(p, "flow_dppo_1epoch@0.001", "flow_grpo@0.001", "kl_at_target")
+    # the KL at a matched score: set B's t; on set A a Flow-GRPO seed never reached the score, so no t there
+    kl = page.compare(page.load_panel("tier2b"), "flow_dppo_1epoch@0.001", "flow_grpo@0.001", "kl_at_target")
+    kl_a = page.compare(p, "flow_dppo_1epoch@0.001", "flow_grpo@0.001", "kl_at_target")
     assert min(one["na"], one["nb"], two["na"], two["nb"]) >= 3
     assert f"Welch t {one['t']:.1f}" in text and f"(t {two['t']:.1f})" in text and f"(t {epoch['t']:.1f})" in text
-    assert f"({kl['ratio']:.2f}x, t {kl['t']:.1f})" in text
+    assert f"{kl['ratio']:.2f}x Flow-GRPO's on prompt set B (t {kl['t']:.1f})" in text and kl["nb"] == 3
+    assert f"set A it is {kl_a['ratio']:.2f}x, untested there because one Flow-GRPO seed never reached" in text
+    assert kl_a["nb"] == len(p["methods"]["flow_grpo@0.001"]["seeds"]) - 1
     assert abs(one["t"]) < page.T_DIFF and abs(two["t"]) < page.T_DIFF and abs(kl["t"]) >= page.T_DIFF  # the words
 
 
