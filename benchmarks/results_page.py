@@ -73,6 +73,10 @@ PANELS = {
                     title="Tier 2, prompt set A: DiffusionNFT and Flow-GRPO, both sampled with CFG 3, three learning rates",
                     methods={f"{m}@{lr}": f"{name}, lr {lr}" for lr in ("0.0005", "0.001", "0.002")
                              for m, name in (("flow_grpo", "Flow-GRPO"), ("diffusion_nft_cfg", "DiffusionNFT with CFG"))}),
+    "edit": dict(folder="shapes_edit_beta",
+                 title="Tier 6, editing (a tiny FLUX.1 Kontext pipeline, 8 instructions, a new source scene per row, "
+                       "binary edit-success reward): Flow-GRPO with KL weight 0.04",
+                 methods={"flow_grpo@0.001": "Flow-GRPO, lr 0.001, beta 0.04"}),
     "tier3": dict(folder="shapes_tier3_sharp", title="Tier 3, sharp base (164 position prompts, held-out val strict)",
                   methods={"flow_grpo@0.0005": "Flow-GRPO", "flow_dppo@0.0005": "Flow-DPPO, 2 epochs"}),
 }
@@ -199,7 +203,7 @@ def ablation_table(p: dict) -> list[str]:
 
 # ------------------------------------------------------------------------------------------------- the claims
 SHORT = {"tier2": "set A", "tier2b": "set B", "tier2op": "set A", "sparse": "sparse tier", "sparse_ablations": "sparse tier",
-         "tier2op_ablations": "set A", "nft": "set A without CFG", "nft_cfg": "set A with CFG",
+         "tier2op_ablations": "set A", "nft": "set A without CFG", "nft_cfg": "set A with CFG", "edit": "editing tier",
          "tier3": "tier 3"}
 
 
@@ -300,6 +304,8 @@ CLAIMS = [
        "steps_to_target", "lower") for lr in (5e-4, 1e-3, 2e-3)],
     ("DiffusionNFT", "with CFG, the same or a better final score than Flow-GRPO, lr 0.001", "",
      ("nft_cfg",), "diffusion_nft_cfg@0.001", "flow_grpo@0.001", "final", "higher"),
+    ("Flow-GRPO", "improves an editing model's edit success on fresh source scenes (lr 1e-3, beta 0.04)", "",
+     ("edit",), "flow_grpo@0.001", None, "final", "higher"),
     ("Flow-GRPO", "improves held-out prompts (sharp base, lr 5e-4)", "", ("tier3",), "flow_grpo@0.0005", None,
      "final", "higher"),
     ("Flow-DPPO", "beats Flow-GRPO on held-out prompts (2 epochs vs 1: not matched)", "GenEval2 78.9 vs 56.6",
