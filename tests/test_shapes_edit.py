@@ -279,3 +279,28 @@ def test_docs_quote_the_committed_editing_base():
             in text)
     assert f"after the first run alone {pair(first['evaluation'], 'train')} and {pair(first['evaluation'], 'test')}" in text
     assert f"({first['steps']:,} steps" in text and f"continued for {info['steps']:,} steps" in text
+
+
+def test_editing_tier_numbers_in_docs_are_the_committed_runs():
+    """docs/benchmarks.md's tier-6 table and summary (issue 40) are benchmarks/results/shapes_edit_beta's committed
+    runs: per seed the trained-strict curve, held-out strict, training reward first / last 10 iterations and KL; over
+    seeds the final mean +- std and its one-sample t against the base, which the text calls within the spread."""
+    import statistics
+
+    data = json.load(open(os.path.join(ROOT, "benchmarks", "results", "shapes_edit_beta", "results.json")))
+    text = " ".join(open(os.path.join(ROOT, "docs", "benchmarks.md")).read().split())
+    runs = sorted(data["runs"], key=lambda r: r["seed"])
+    assert [r["seed"] for r in runs] == [0, 1, 2] and all(r["config"]["beta"] == "0.04" for r in runs)
+    for r in runs:
+        its = r["iterations"]
+        row = (f"| {r['seed']} | " + " / ".join(f"{e['trained']['overall']['strict']:.3f}" for e in r["evals"])
+               + f" | {r['evals'][-1]['held_out']['overall']['strict']:.3f} | "
+               f"{statistics.mean(i['reward'] for i in its[:10]):.3f} -> {statistics.mean(i['reward'] for i in its[-10:]):.3f}"
+               f" | {r['evals'][-1]['kl']:.3f} |")
+        assert row in text, row
+    base = data["summary"]["base"]
+    final = [r["evals"][-1]["trained"]["overall"]["strict"] for r in runs]
+    m, sd = statistics.mean(final), statistics.stdev(final)
+    t = (m - base) / (sd / len(final) ** 0.5)
+    assert f"Trained strict {base:.3f} -> {m:.3f} +- {sd:.3f} (gain {m - base:+.3f}, one-sample t {t:+.1f})" in text
+    assert t < 2.78 and "not beyond the seed spread" in text  # the words follow the number
