@@ -719,3 +719,35 @@ def test_diffusion_nft_numbers_are_the_committed_results():
     row = (f"3 seeds: {p['base']:.3f} -> " + " / ".join(f"{x:.3f}" for x in nft) + " at lr 5e-4 / 1e-3 / 2e-3 "
            f"(Flow-GRPO with CFG: {fg_base['summary']['base']:.3f} -> " + " / ".join(f"{x:.3f}" for x in fg) + ")")
     assert row in readme and "| `DiffusionNFTTrainer` /" in readme, row
+
+
+def test_diffusion_nft_with_cfg_numbers_are_the_committed_results():
+    """docs/diffusion_nft.md's with-CFG table (DiffusionNFT beside Flow-GRPO from the same CFG base, one row per rate
+    run so far, with its seed count) and the lr-1e-3 sentence are results_page's "nft_cfg" panel."""
+    page = _results_page()
+    p = page.load_panel("nft_cfg")
+    flat = " ".join(open(os.path.join(ROOT, "docs", "diffusion_nft.md")).read().split())
+
+    def reach(m):
+        xs = [x for x in m["steps_to_target"] if x is not None]
+        if not xs:
+            return f"not reached (0/{len(m['seeds'])})"
+        return f"{xs[0]} (1/1)" if len(m["seeds"]) == 1 else f"{page.fmt(page.ms(xs), 0)} ({len(xs)}/{len(m['seeds'])})"
+
+    rates = [lr for lr in ("0.0005", "0.001", "0.002") if f"diffusion_nft_cfg@{lr}" in p["methods"]]
+    assert "0.001" in rates
+    for lr in rates:
+        a, b = p["methods"][f"diffusion_nft_cfg@{lr}"], p["methods"][f"flow_grpo@{lr}"]
+        t = page.welch_t(a["final"], b["final"])
+        row = (f"| {lr} | {len(a['seeds'])} | {page.fmt(page.ms(a['final']))} | {page.fmt(page.ms(a['kl']))} | {reach(a)} | "
+               f"{page.fmt(page.ms(b['final']))} | {page.fmt(page.ms(b['kl']))} | {reach(b)} | "
+               + ("n/a (one seed)" if t is None else f"{t:+.1f}") + " |")
+        assert row in flat, row
+    a, b = p["methods"]["diffusion_nft_cfg@0.001"], p["methods"]["flow_grpo@0.001"]
+    t = page.welch_t(a["final"], b["final"])
+    assert len(a["seeds"]) == len(b["seeds"]) == 3 and t >= page.T_DIFF
+    assert (f"({page.fmt(page.ms(a['final']))} against {page.fmt(page.ms(b['final']))}, Welch t {t:+.1f}) at a quarter "
+            f"of its KL") in flat and 0.2 <= statistics.mean(a["kl"]) / statistics.mean(b["kl"]) <= 0.3
+    readme = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
+    assert (f"with CFG at lr 1e-3: {page.fmt(page.ms(a['final']))} against Flow-GRPO's {page.fmt(page.ms(b['final']))} "
+            f"(3 seeds, t {t:+.1f})") in readme
