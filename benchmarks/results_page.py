@@ -35,6 +35,11 @@ OP_ABLATIONS = {"op_grpo@0.001": "OP-GRPO (described form)",
                 "op_grpo_share_50@0.001": "50% of the samples replayed",
                 "flow_grpo@0.001": "Flow-GRPO"}
 
+def by_rate(*methods: tuple[str, str]) -> dict[str, str]:
+    """Run label -> shown name for each (method, name) at each of the swept rates, rate by rate."""
+    return {f"{m}@{lr}": f"{name}, lr {lr}" for lr in ("0.0005", "0.001", "0.002") for m, name in methods}
+
+
 # Each panel: one committed results folder, the runs shown (label -> name on the page) and what they are.
 PANELS = {
     "tier2": dict(folder="shapes_tier2_matched", title="Tier 2, prompt set A (8 position prompts, trained-prompt strict)",
@@ -49,13 +54,11 @@ PANELS = {
                             "stepwise@0.001": "Stepwise T'=5"}),
     "tier2op": dict(folder="shapes_tier2_op",
                     title="Tier 2, prompt set A: OP-GRPO in its described form against Flow-GRPO, three learning rates",
-                    methods={f"{m}@{lr}": f"{name}, lr {lr}" for lr in ("0.0005", "0.001", "0.002")
-                             for m, name in (("flow_grpo", "Flow-GRPO"), ("op_grpo", "OP-GRPO"))}),
+                    methods=by_rate(("flow_grpo", "Flow-GRPO"), ("op_grpo", "OP-GRPO"))),
     "sparse": dict(folder="shapes_sparse",
                    title="Tier 5, the sparse tier (binary reward, base success about 0.1): OP-GRPO against Flow-GRPO, "
                          "three learning rates",
-                   methods={f"{m}@{lr}": f"{name}, lr {lr}" for lr in ("0.0005", "0.001", "0.002")
-                            for m, name in (("flow_grpo", "Flow-GRPO"), ("op_grpo", "OP-GRPO"))}),
+                   methods=by_rate(("flow_grpo", "Flow-GRPO"), ("op_grpo", "OP-GRPO"))),
     "tier2op_ablations": dict(folder="shapes_tier2_op",
                               title="Tier 2, prompt set A: OP-GRPO's described ablations, lr 1e-3",
                               methods=OP_ABLATIONS),
@@ -66,13 +69,12 @@ PANELS = {
     "nft": dict(folder="shapes_tier2_nft",
                 title="Tier 2, prompt set A: DiffusionNFT sampled without CFG (dotted: its base, the same model "
                       "without CFG) against Flow-GRPO sampled with CFG (its base 0.242), three learning rates",
-                methods={**{f"diffusion_nft@{lr}": f"DiffusionNFT without CFG, lr {lr}" for lr in ("0.0005", "0.001", "0.002")},
-                         **{f"flow_grpo@{lr}": f"Flow-GRPO with CFG, lr {lr}" for lr in ("0.0005", "0.001", "0.002")}},
+                methods={**by_rate(("diffusion_nft", "DiffusionNFT without CFG")),
+                         **by_rate(("flow_grpo", "Flow-GRPO with CFG"))},
                 extra="shapes_tier2_op", target_from="shapes_tier2_op"),
     "nft_cfg": dict(folder="shapes_tier2_op",
                     title="Tier 2, prompt set A: DiffusionNFT and Flow-GRPO, both sampled with CFG 3, three learning rates",
-                    methods={f"{m}@{lr}": f"{name}, lr {lr}" for lr in ("0.0005", "0.001", "0.002")
-                             for m, name in (("flow_grpo", "Flow-GRPO"), ("diffusion_nft_cfg", "DiffusionNFT with CFG"))}),
+                    methods=by_rate(("flow_grpo", "Flow-GRPO"), ("diffusion_nft_cfg", "DiffusionNFT with CFG"))),
     "edit": dict(folder="shapes_edit_beta",
                  title="Tier 6, editing (a tiny FLUX.1 Kontext pipeline, 8 instructions, a new source scene per row, "
                        "binary edit-success reward): Flow-GRPO with KL weight 0.04",
