@@ -748,6 +748,9 @@ def test_diffusion_nft_with_cfg_numbers_are_the_committed_results():
     assert len(a["seeds"]) == len(b["seeds"]) == 3 and t >= page.T_DIFF
     assert (f"({page.fmt(page.ms(a['final']))} against {page.fmt(page.ms(b['final']))}, Welch t {t:+.1f}) at a quarter "
             f"of its KL") in flat and 0.2 <= statistics.mean(a["kl"]) / statistics.mean(b["kl"]) <= 0.3
+    c = page.compare(p, "diffusion_nft_cfg@0.0005", "flow_grpo@0.0005", "steps_to_target")
+    assert f"({c['ratio']:.2f}x, Welch t {c['t']:+.1f}, all seeds reaching it)" in flat and c["t"] <= -page.T_DIFF
+    assert c["na"] == c["nb"] == 3
     readme = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
     assert (f"with CFG at lr 1e-3: {page.fmt(page.ms(a['final']))} against Flow-GRPO's {page.fmt(page.ms(b['final']))} "
             f"(3 seeds, t {t:+.1f})") in readme
