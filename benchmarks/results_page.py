@@ -35,6 +35,7 @@ OP_ABLATIONS = {"op_grpo@0.001": "OP-GRPO (described form)",
                 "op_grpo_share_50@0.001": "50% of the samples replayed",
                 "flow_grpo@0.001": "Flow-GRPO"}
 
+
 def by_rate(*methods: tuple[str, str]) -> dict[str, str]:
     """Run label -> shown name for each (method, name) at each of the swept rates, rate by rate."""
     return {f"{m}@{lr}": f"{name}, lr {lr}" for lr in ("0.0005", "0.001", "0.002") for m, name in methods}
@@ -161,8 +162,8 @@ def fmt(pair, nd=3, percent=False) -> str:
     if pair is None:
         return "n/a"
     if percent:
-        return fmt(tuple(None if x is None else 100 * x for x in pair), 1).replace(" +-", "% +-").replace(" (1", "% (1") + (
-            "%" if pair[1] is not None else "")
+        m, sd = (None if x is None else 100 * x for x in pair)
+        return f"{m:.1f}% (1 seed)" if sd is None else f"{m:.1f}% +- {sd:.1f}%"
     return f"{pair[0]:.{nd}f} (1 seed)" if pair[1] is None else f"{pair[0]:.{nd}f} +- {pair[1]:.{nd}f}"
 
 
