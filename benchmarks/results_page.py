@@ -431,8 +431,8 @@ def render(panels: dict) -> str:
         "- **DiffusionNFT** (`DiffusionNFTTrainer`): no log-probs, any sampler, CFG-free by default; trains on the "
         "forward (noising) process. On tier 2, sampled without CFG (from a lower base, the model without CFG) it "
         "reached Flow-GRPO's target no sooner than Flow-GRPO with CFG, and ended at or above its score at a fifth or "
-        "less of its KL, at three rates. With CFG it ended above Flow-GRPO at each rate run (beyond the noise at lr "
-        "1e-3) at a third of its KL or less, and reached the target in 0.69x the iterations at lr 5e-4.",
+        "less of its KL, at three rates. With CFG it ended above Flow-GRPO at all three rates (beyond the noise at "
+        "1e-3 and 2e-3) at a third of its KL or less, and reached the target in 0.69x the iterations at lr 5e-4.",
         "",
         "## Claims, per method",
         "",
