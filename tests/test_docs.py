@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import glob
 import json
 import os
@@ -686,6 +687,14 @@ def test_op_grpo_ablation_tables_are_the_committed_summaries():
     assert ("do not end below it on either tier" in readme) == all(t > 0 for t in separated.values())
 
 
+def _reach_cell(page, m) -> str:
+    """A docs table's "iterations to the target" cell: mean +- std over the seeds that reached it (n reached / n)."""
+    xs = [x for x in m["steps_to_target"] if x is not None]
+    if not xs:
+        return f"not reached (0/{len(m['seeds'])})"
+    return f"{xs[0]} (1/1)" if len(m["seeds"]) == 1 else f"{page.fmt(page.ms(xs), 0)} ({len(xs)}/{len(m['seeds'])})"
+
+
 def test_diffusion_nft_numbers_are_the_committed_results():
     """docs/diffusion_nft.md's CFG-free table (issue 41: 3 seeds at 3 rates, beside Flow-GRPO with CFG, iterations to
     Flow-GRPO's absolute target) and its t values are what results_page's "nft" panel and
@@ -695,9 +704,7 @@ def test_diffusion_nft_numbers_are_the_committed_results():
     runs = json.load(open(os.path.join(ROOT, "benchmarks", "results", "shapes_tier2_nft", "results.json")))["runs"]
     flat = " ".join(open(os.path.join(ROOT, "docs", "diffusion_nft.md")).read().split())
 
-    def reach(m):
-        xs = [x for x in m["steps_to_target"] if x is not None]
-        return f"{page.fmt(page.ms(xs), 0)} ({len(xs)}/{len(m['seeds'])})"
+    reach = functools.partial(_reach_cell, page)
 
     assert f"Flow-GRPO's target on this tier ({p['target']:.3f} strict)" in flat and f"({p['base']:.3f} strict" in flat
     nft, fg = [], []
@@ -728,11 +735,7 @@ def test_diffusion_nft_with_cfg_numbers_are_the_committed_results():
     p = page.load_panel("nft_cfg")
     flat = " ".join(open(os.path.join(ROOT, "docs", "diffusion_nft.md")).read().split())
 
-    def reach(m):
-        xs = [x for x in m["steps_to_target"] if x is not None]
-        if not xs:
-            return f"not reached (0/{len(m['seeds'])})"
-        return f"{xs[0]} (1/1)" if len(m["seeds"]) == 1 else f"{page.fmt(page.ms(xs), 0)} ({len(xs)}/{len(m['seeds'])})"
+    reach = functools.partial(_reach_cell, page)
 
     rates = [lr for lr in ("0.0005", "0.001", "0.002") if f"diffusion_nft_cfg@{lr}" in p["methods"]]
     assert "0.001" in rates
