@@ -46,8 +46,9 @@ Target for steps-to-target: base + ``TARGET_FRACTION`` x Flow-GRPO's mean final 
     python benchmarks/shapes.py --tier 0 --jobs 2 --methods flow_grpo stepwise           # any subset; runs reused
 
 A run is stored as ``runs/<method>[@<lr>]_seed<seed>.json`` in the tier's folder and reused when present (delete
-it after changing the harness); ``runs/`` is not committed, ``results.json`` holds every run and ``--restore-runs``
-writes them back. Without ``--lrs`` each method runs at its swept learning rate for the tier
+it after changing the harness); ``runs/`` is not committed: ``results.json`` holds every run of the folder, is read
+back into ``runs/`` before anything runs, and every invocation summarises all of the folder's runs (so a run added to
+a committed folder keeps the others; ``--quick`` writes to its own folder, ``shapes_quick``). Without ``--lrs`` each method runs at its swept learning rate for the tier
 (``SWEPT_LR``, chosen from the committed sweep, docs/benchmarks.md) or ``BASE``'s.
 """
 
@@ -823,10 +824,8 @@ def main(argv=None):
     ap.add_argument("--out", default=None,
                     help="default: benchmarks/results/shapes_tier<N> (0: .../shapes, 4: ..._tier2b, 5: ..._sparse)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 1 seed, flow_grpo + op_grpo, 3 iterations")
-    ap.add_argument("--summarise-only", action="store_true", help="rebuild the outputs from --out/runs/*.json")
-    ap.add_argument("--restore-runs", action="store_true",
-                    help="first write --out/runs/*.json from --out/results.json (runs/ is not committed: a fresh "
-                         "clone has none), keeping runs already there")
+    ap.add_argument("--summarise-only", action="store_true",
+                    help="run nothing; rebuild the outputs from every run of --out (its results.json and runs/)")
     ap.add_argument("--reference", default=None,
                     help="the run label targets and ratios are relative to (default: flow_grpo, else a folder's one "
                          "flow_grpo@lr, else the one at the tier's swept rate)")
@@ -848,7 +847,7 @@ def main(argv=None):
     if args.train_prompts:
         TIERS[args.tier] = subset_tier(TIERS[args.tier], args.train_prompts)
     tier = TIERS[args.tier]
-    args.out = args.out or default_out(args.tier)
+    args.out = args.out or (os.path.join("benchmarks", "results", "shapes_quick") if args.quick else default_out(args.tier))
     args.steps = args.steps or tier["steps"]
     args.eval_every = args.eval_every or tier["eval_every"]
     if args.methods is None:
@@ -859,8 +858,8 @@ def main(argv=None):
         PILOT.update(prompts_per_step=4, num_generations=4, per_device_train_batch_size=16, num_inference_steps=6,
                     eval_num_inference_steps=10)
     os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
-    if args.restore_runs:
-        restore_runs(args.out)
+    if os.path.exists(os.path.join(args.out, "results.json")) and not args.run_one:
+        restore_runs(args.out)  # runs/ is not committed: the folder's runs come back before any is added
     if args.run_one:
         torch.set_num_threads(1)
         label, seed = args.run_one[0], int(args.run_one[1])
@@ -871,24 +870,26 @@ def main(argv=None):
     todo = [(m, s) for s in args.seeds for m in labels]
     if not args.summarise_only:
         missing = [(m, s) for m, s in todo if not os.path.exists(_run_file(args.out, m, s))]
+        if missing:  # a new run must share the folder's task, refused here rather than after its compute
+            runs_task(folder_runs(args.out) + [{"method": missing[0][0], "seed": missing[0][1], "task": _task(tier)}], tier)
         if args.jobs <= 1 or args.quick:
             torch.set_num_threads(1)
             for m, s in missing:
                 main([*_passthrough(args), "--run-one", m, str(s)])
         else:
             _run_parallel(missing, args)
+    return write_outputs(folder_runs(args.out), {k: v for k, v in vars(args).items() if k != "run_one"}, args.out,
+                         args.tier)
+
+
+def folder_runs(out: str) -> list[dict]:
+    """Every run of ``out/runs/`` (one file per run), in file-name order."""
     runs = []
-    for m, s in todo:
-        if os.path.exists(_run_file(args.out, m, s)):
-            with open(_run_file(args.out, m, s)) as f:
+    for name in sorted(os.listdir(os.path.join(out, "runs"))):
+        if name.endswith(".json"):
+            with open(os.path.join(out, "runs", name)) as f:
                 runs.append(json.load(f))
-    if args.summarise_only:  # every run in the folder
-        runs = []
-        for name in sorted(os.listdir(os.path.join(args.out, "runs"))):
-            if name.endswith(".json"):
-                with open(os.path.join(args.out, "runs", name)) as f:
-                    runs.append(json.load(f))
-    return write_outputs(runs, {k: v for k, v in vars(args).items() if k != "run_one"}, args.out, args.tier)
+    return runs
 
 
 def restore_runs(out: str) -> list[str]:

@@ -142,6 +142,36 @@ def test_restore_runs_writes_back_what_results_json_holds_and_keeps_what_is_ther
     assert json.loads((tmp_path / "runs" / "flow_grpo@0.001_seed1.json").read_text())["cpu_s"] == 1.0
 
 
+def test_a_run_added_to_a_committed_folder_keeps_its_runs_and_a_foreign_task_is_refused_before_compute(tmp_path,
+                                                                                                      monkeypatch):
+    """``runs/`` is not committed: an invocation reads the folder's runs back from results.json and summarises all
+    of them, so a new run joins the committed ones (it used to replace them); a run of another task is refused
+    before its compute; --summarise-only alone rebuilds a fresh clone's folder."""
+    mod = _load()
+    task = mod._task(mod.TIERS[2])
+    runs = [dict(_fake_run("flow_grpo@0.001", s, [0.2, 0.5], [0, 0.3]), task=task) for s in (0, 1)]
+    (tmp_path / "results.json").write_text(json.dumps({"runs": runs}))
+    mod.main(["--tier", "2", "--summarise-only", "--out", str(tmp_path)])
+    assert sorted(os.listdir(tmp_path / "runs")) == ["flow_grpo@0.001_seed0.json", "flow_grpo@0.001_seed1.json"]
+    assert mod.summarise(runs, 2)["methods"]["flow_grpo@0.001"]["seeds"] == [0, 1]
+    made = []
+
+    def fake_run_one(label, seed, *a, **k):
+        made.append((label, seed))
+        return dict(_fake_run(label, seed, [0.2, 0.4], [0, 0.2]), task=task)
+    monkeypatch.setattr(mod, "run_one", fake_run_one)
+    (tmp_path / "runs" / "flow_grpo@0.001_seed1.json").unlink()  # restored again from results.json, not rerun
+    summary = mod.main(["--tier", "2", "--methods", "flow_grpo", "--lrs", "1e-3", "--seeds", "1", "2",
+                        "--out", str(tmp_path)])
+    assert made == [("flow_grpo@0.001", 2)]
+    assert summary["methods"]["flow_grpo@0.001"]["seeds"] == [0, 1, 2]
+    assert [r["seed"] for r in json.loads((tmp_path / "results.json").read_text())["runs"]] == [0, 1, 2]
+    with pytest.raises(SystemExit, match="different tasks"):
+        mod.main(["--tier", "2", "--methods", "flow_grpo", "--lrs", "1e-3", "--seeds", "3", "--set", "reward=dense",
+                  "--out", str(tmp_path)])
+    assert made == [("flow_grpo@0.001", 2)]  # refused before any compute
+
+
 def test_summary_reports_the_task_its_runs_were_made_with_and_refuses_a_mix():
     mod = _load()
     dense = dict(mod._task(mod.TIERS[1]), reward="dense")  # a `--set reward=dense` folder, summarised later
