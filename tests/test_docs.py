@@ -728,6 +728,81 @@ def test_diffusion_nft_numbers_are_the_committed_results():
     assert row in readme and "| `DiffusionNFTTrainer` /" in readme, row
 
 
+def test_diffusion_nft_tier3_numbers_are_the_committed_results():
+    """docs/diffusion_nft.md's tier-3 table is results_page.nft_tier3_table of the committed runs (with CFG beside
+    Flow-GRPO in shapes_tier3, without CFG in shapes_tier3_nft), 3 seeds at 1e-3 for both forms and Flow-GRPO; the
+    prose's t values and words follow the numbers."""
+    page = _results_page()
+    cfg, free = page.load_panel("nft_t3_cfg"), page.load_panel("nft_t3")
+    flat = " ".join(open(os.path.join(ROOT, "docs", "diffusion_nft.md")).read().split())
+    rows = page.nft_tier3_table(cfg, free)
+    for row in rows:
+        assert row in flat, row
+    assert any(r.startswith("| DiffusionNFT with CFG | 0.001 | 3 |") for r in rows)
+    assert any(r.startswith("| DiffusionNFT without CFG | 0.001 | 3 |") for r in rows)
+    ref = cfg["methods"]["flow_grpo@0.001"]
+    t_cfg = [page.welch_t(cfg["methods"][f"diffusion_nft_cfg@{lr}"]["final"], ref["final"])
+             for lr in ("0.0005", "0.001")]
+    assert f"within the noise (t {t_cfg[0]:+.1f}, {t_cfg[1]:+.1f};" in flat and all(0 < t < page.T_DIFF for t in t_cfg)
+    kl = sorted(statistics.mean(cfg["methods"][f"diffusion_nft_cfg@{lr}"]["kl"]) / statistics.mean(ref["kl"])
+                for lr in ("0.0005", "0.001"))
+    assert f"at {kl[0]:.2f}-{kl[1]:.2f}x its KL to the base" in flat
+    readme = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
+    assert f"tier 3 (held-out prompts), with CFG: within the noise of Flow-GRPO at {kl[0]:.2f}-{kl[1]:.2f}x its KL" in readme
+    free_rates = [free["methods"][f"diffusion_nft@{lr}"] for lr in ("0.0005", "0.001", "0.002")]
+    assert all(len(m["seeds"]) == 3 for m in free_rates)
+    finals = [statistics.mean(m["final"]) for m in free_rates]
+    one = [(statistics.mean(m["final"]) - free["base"]) / (statistics.stdev(m["final"]) / 3 ** 0.5) for m in free_rates]
+    t_val = [page.welch_t(m["final"], ref["final"]) for m in free_rates]
+    t_test = [page.welch_t(m["final_by_split"]["test"], ref["final_by_split"]["test"]) for m in free_rates]
+    assert (f"(val {free['base']:.3f} -> {min(finals):.3f} to {max(finals):.3f}, one-sample t {min(one):+.1f} to "
+            f"{max(one):+.1f})") in flat
+    assert f"within the noise at every rate (t {max(t_val):+.1f} to {min(t_val):+.1f})" in flat
+    assert all(-page.T_DIFF < t < 0 for t in t_val)
+    reached = sum(s is not None for m in free_rates for s in m["steps_to_target"])
+    assert f"{reached} seed of 9 reaches the target" in flat
+    m = free_rates[1]  # lr 1e-3: test beyond the noise; the other two within it
+    assert (f"({page.fmt(page.ms(m['final_by_split']['test']))} against "
+            f"{page.fmt(page.ms(ref['final_by_split']['test']))}, Welch t {t_test[1]:+.1f})") in flat
+    assert t_test[1] <= -page.T_DIFF and all(-page.T_DIFF < t < 0 for t in (t_test[0], t_test[2]))
+    assert f"within it at 5e-4 and 2e-3 (t {t_test[0]:+.1f}, {t_test[2]:+.1f})" in flat
+
+
+def test_set_a_cpu_reference_runs_repeat_the_committed_scores_and_give_the_cpu_claims():
+    """benchmarks/results/shapes_tier2_cpu_ref: Flow-GRPO runs made again on the machine of DiffusionNFT's runs, so
+    CPU to the target compares on one machine. Each repeats its shapes_tier2_op twin evaluation for evaluation (the
+    harness is deterministic; only CPU seconds and the machine record differ). docs/diffusion_nft.md quotes the
+    "nft_cpu" panel's CPU comparisons at lr 5e-4."""
+    page = _results_page()
+    folder = os.path.join(ROOT, "benchmarks", "results")
+    ref = json.load(open(os.path.join(folder, "shapes_tier2_cpu_ref", "results.json")))["runs"]
+    committed = {(r["method"], r["seed"]): r for r in json.load(open(os.path.join(folder, "shapes_tier2_op",
+                                                                                   "results.json")))["runs"]}
+
+    def restrict(new, old):  # new's values at old's keys (later runs also record the colour-relation accuracy)
+        return {k: restrict(new[k], v) if isinstance(v, dict) else new[k] for k, v in old.items()
+                if k not in ("cpu_s", "eval_cpu_s")}
+
+    assert {(r["method"], r["seed"]) for r in ref} >= {("flow_grpo@0.0005", s) for s in (0, 1, 2)}
+    for r in ref:
+        twin = committed[(r["method"], r["seed"])]
+        assert len(r["evals"]) == len(twin["evals"]) == 7
+        assert [restrict(e, old) for e, old in zip(r["evals"], twin["evals"])] == [restrict(e, e) for e in twin["evals"]]
+        assert [i["reward"] for i in r["iterations"]] == [i["reward"] for i in twin["iterations"]]
+        assert r["machine"]["calibration_s"] > 0
+    p = page.load_panel("nft_cpu")
+    flat = " ".join(open(os.path.join(ROOT, "docs", "diffusion_nft.md")).read().split())
+    for label in ("diffusion_nft_cfg@0.0005", "diffusion_nft@0.0005"):
+        text, t = page.cell(p, label, "flow_grpo@0.0005", "cpu_to_target")
+        assert t is not None and text in flat, text
+        assert abs(t) < page.T_DIFF  # the prose calls both within the noise
+    it = {label: statistics.mean(m["cpu_per_iter"]) for label, m in p["methods"].items()}
+    f, c, n = it["flow_grpo@0.0005"], it["diffusion_nft_cfg@0.0005"], it["diffusion_nft@0.0005"]
+    assert (f"Flow-GRPO costs {f:.1f} CPU-s, DiffusionNFT with CFG {c:.1f} ({c / f:.2f}x: every training point") in flat
+    assert f"and without CFG {n:.1f} ({n / f:.2f}x)" in flat
+    assert "Both forms are within the noise of Flow-GRPO in CPU to the target" in flat
+
+
 def test_diffusion_nft_with_cfg_numbers_are_the_committed_results():
     """docs/diffusion_nft.md's with-CFG table (DiffusionNFT beside Flow-GRPO from the same CFG base, one row per rate
     run so far, with its seed count) and the lr-1e-3 sentence are results_page's "nft_cfg" panel."""
