@@ -126,6 +126,15 @@ def welch_t(a, b) -> float | None:
     return math.copysign(math.inf, d) if va + vb == 0 and d else (d / math.sqrt(va + vb) if va + vb else 0.0)
 
 
+def one_sample_t(xs, base: float) -> float | None:
+    """One-sample t of mean(xs) against ``base``; None with fewer than 2 values."""
+    xs = [x for x in xs if x is not None]
+    if len(xs) < 2:
+        return None
+    d, sd = statistics.mean(xs) - base, statistics.stdev(xs)
+    return d / (sd / math.sqrt(len(xs))) if sd else math.copysign(math.inf, d)
+
+
 def load_panel(name: str) -> dict | None:
     """Per shown label, per-seed values from the folder's results.json (None when the folder is not committed)."""
     panel = PANELS[name]
@@ -283,10 +292,9 @@ def cell(p: dict | None, a: str, b: str | None, field: str = "final") -> tuple[s
         return "not measured yet", None
     if b is None:
         f = ms(p["methods"][a][field])
-        n = len(p["methods"][a][field])
-        if f[1] is None:  # one seed: no spread, no t
+        t = one_sample_t(p["methods"][a][field], p["base"])
+        if t is None:  # one seed: no spread, no t
             return f"{p['base']:.3f} -> {fmt(f)}", None
-        t = (f[0] - p["base"]) / (f[1] / math.sqrt(n)) if f[1] else math.inf
         return f"{p['base']:.3f} -> {fmt(f)}, t {t:+.1f}", t
     if field == "cpu_to_target" and not same_machine(p["methods"][a]["calibration"] + p["methods"][b]["calibration"]):
         return "runs of different or unrecorded machines: CPU not compared", None

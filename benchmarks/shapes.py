@@ -48,8 +48,9 @@ Target for steps-to-target: base + ``TARGET_FRACTION`` x Flow-GRPO's mean final 
 A run is stored as ``runs/<method>[@<lr>]_seed<seed>.json`` in the tier's folder and reused when present (delete
 it after changing the harness); ``runs/`` is not committed: ``results.json`` holds every run of the folder, is read
 back into ``runs/`` before anything runs, and every invocation summarises all of the folder's runs (so a run added to
-a committed folder keeps the others; ``--quick`` writes to its own folder, ``shapes_quick``). Without ``--lrs`` each method runs at its swept learning rate for the tier
-(``SWEPT_LR``, chosen from the committed sweep, docs/benchmarks.md) or ``BASE``'s.
+a committed folder keeps the others; ``--quick`` writes to its own folder, ``shapes_quick``). Without ``--lrs`` each
+method runs at its swept learning rate for the tier (``SWEPT_LR``, chosen from the committed sweep,
+docs/benchmarks.md) or ``BASE``'s.
 """
 
 from __future__ import annotations
@@ -847,7 +848,8 @@ def main(argv=None):
     if args.train_prompts:
         TIERS[args.tier] = subset_tier(TIERS[args.tier], args.train_prompts)
     tier = TIERS[args.tier]
-    args.out = args.out or (os.path.join("benchmarks", "results", "shapes_quick") if args.quick else default_out(args.tier))
+    quick_out = os.path.join("benchmarks", "results", "shapes_quick")
+    args.out = args.out or (quick_out if args.quick else default_out(args.tier))
     args.steps = args.steps or tier["steps"]
     args.eval_every = args.eval_every or tier["eval_every"]
     if args.methods is None:
@@ -871,7 +873,8 @@ def main(argv=None):
     if not args.summarise_only:
         missing = [(m, s) for m, s in todo if not os.path.exists(_run_file(args.out, m, s))]
         if missing:  # a new run must share the folder's task, refused here rather than after its compute
-            runs_task(folder_runs(args.out) + [{"method": missing[0][0], "seed": missing[0][1], "task": _task(tier)}], tier)
+            new = {"method": missing[0][0], "seed": missing[0][1], "task": _task(tier)}
+            runs_task(folder_runs(args.out) + [new], tier)
         if args.jobs <= 1 or args.quick:
             torch.set_num_threads(1)
             for m, s in missing:

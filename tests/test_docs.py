@@ -748,11 +748,12 @@ def test_diffusion_nft_tier3_numbers_are_the_committed_results():
                 for lr in ("0.0005", "0.001"))
     assert f"at {kl[0]:.2f}-{kl[1]:.2f}x its KL to the base" in flat
     readme = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
-    assert f"tier 3 (held-out prompts), with CFG: within the noise of Flow-GRPO at {kl[0]:.2f}-{kl[1]:.2f}x its KL" in readme
+    assert (f"tier 3 (held-out prompts), with CFG: within the noise of Flow-GRPO at {kl[0]:.2f}-{kl[1]:.2f}x "
+            "its KL") in readme
     free_rates = [free["methods"][f"diffusion_nft@{lr}"] for lr in ("0.0005", "0.001", "0.002")]
     assert all(len(m["seeds"]) == 3 for m in free_rates)
     finals = [statistics.mean(m["final"]) for m in free_rates]
-    one = [(statistics.mean(m["final"]) - free["base"]) / (statistics.stdev(m["final"]) / 3 ** 0.5) for m in free_rates]
+    one = [page.one_sample_t(m["final"], free["base"]) for m in free_rates]
     t_val = [page.welch_t(m["final"], ref["final"]) for m in free_rates]
     t_test = [page.welch_t(m["final_by_split"]["test"], ref["final_by_split"]["test"]) for m in free_rates]
     assert (f"(val {free['base']:.3f} -> {min(finals):.3f} to {max(finals):.3f}, one-sample t {min(one):+.1f} to "

@@ -311,14 +311,15 @@ def test_editing_tier_numbers_in_docs_are_the_committed_runs():
                f" | {r['evals'][-1]['kl']:.3f} |")
         assert row in text, row
 
+    page = _load("results_page")
+
     def one_sample(rs, at):
         final = [next(e for e in r["evals"] if e["step"] == at)["trained"]["overall"]["strict"] for r in rs]
-        m, sd = statistics.mean(final), statistics.stdev(final)
-        return m, sd, (m - data["summary"]["base"]) / (sd / len(final) ** 0.5)
+        return statistics.mean(final), statistics.stdev(final), page.one_sample_t(final, data["summary"]["base"])
 
     base = data["summary"]["base"]
     m, sd, t = one_sample(runs, 120)
     m60, sd60, t60 = one_sample(runs, 60)
     assert (f"Trained strict {base:.3f} -> {m:.3f} +- {sd:.3f} (gain {m - base:+.3f}, one-sample t {t:+.1f}): "
             f"**not beyond the seed spread** (at 60 iterations: {m60:.3f} +- {sd60:.3f}, t {t60:+.1f})") in text
-    assert t < 2.78 and t60 < 2.78  # the words follow the numbers
+    assert t < page.T_DIFF and t60 < page.T_DIFF  # the words follow the numbers
