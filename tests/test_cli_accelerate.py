@@ -64,7 +64,20 @@ def test_every_shipped_config_is_expected():
 
 
 REWARD_MODULE = '''
+import atexit
 import os
+
+
+def _record_exit():
+    """At interpreter exit: is the process group still there? (Left to exit, gloo can abort the process.)"""
+    import torch
+
+    if "RANK" in os.environ:
+        with open(os.path.join(os.environ["EXIT_LOG_DIR"], str(os.getpid())), "w") as f:
+            f.write(f"{os.environ['RANK']} {torch.distributed.is_initialized()}")
+
+
+atexit.register(_record_exit)
 
 def rank_reward(images, prompts, **kwargs):
     """brightness; records which process scored how many images."""
@@ -84,8 +97,7 @@ def test_cpu_two_process_launch_trains_with_two_processes(tmp_path):
     logs = tmp_path / "ranks"
     logs.mkdir()
     out = tmp_path / "out"
-    env = dict(os.environ, ACCELERATE_USE_CPU="true", RANK_LOG_DIR=str(logs), OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([ROOT, str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    env = _cli_env(tmp_path, logs)
     cmd = [sys.executable, "-m", "trl_flow.cli", "grpo", "--accelerate_config", "multi_gpu", "--num_processes", "2",
            "--config", "shapes_flow_grpo", "--reward_funcs", "rank_rewards:rank_reward", "--max_steps", "1",
            "--eval_steps", "0", "--prompts_per_step", "2", "--num_generations", "2",
@@ -99,12 +111,22 @@ def test_cpu_two_process_launch_trains_with_two_processes(tmp_path):
     assert all(lines == ["2 2", "2 2"] for lines in records.values()), records
     history = [json.loads(line) for line in open(out / "log_history.jsonl")]
     assert [h["step"] for h in history] == [1] and os.path.exists(out / "pytorch_lora_weights.safetensors")
+    # each rank destroyed its process group before exit (left to interpreter exit, gloo can abort the process:
+    # `terminate called without an active exception`, seen on rank 1 of this test)
+    assert _exits(tmp_path) == ["0 False", "1 False"]
 
 
 def _cli_env(tmp_path, logs):
     (tmp_path / "rank_rewards.py").write_text(REWARD_MODULE)
+    (tmp_path / "exits").mkdir()
     return dict(os.environ, ACCELERATE_USE_CPU="true", RANK_LOG_DIR=str(logs), OMP_NUM_THREADS="1",
+                EXIT_LOG_DIR=str(tmp_path / "exits"),
                 PYTHONPATH=os.pathsep.join([ROOT, str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+
+
+def _exits(tmp_path) -> list[str]:
+    """What each rank's process saw at interpreter exit: "<rank> <process group still initialized>"."""
+    return sorted(open(tmp_path / "exits" / name).read() for name in os.listdir(tmp_path / "exits"))
 
 
 ONE_ITERATION = ["--config", "shapes_flow_grpo", "--reward_funcs", "rank_rewards:rank_reward", "--max_steps", "1",
@@ -147,6 +169,7 @@ def test_simulated_two_machine_launch_trains_one_iteration_and_writes_one_checkp
     assert {"random_states_0.pkl", "random_states_1.pkl"} <= set(os.listdir(out / "checkpoint-1"))
     state = json.load(open(out / "checkpoint-1" / "trainer_state.json"))
     assert state["distributed"] == {"distributed_type": "MULTI_CPU", "num_processes": 2}
+    assert _exits(tmp_path) == ["0 False", "1 False"]
 
 
 def test_a_missing_machine_or_a_wrong_main_ip_stops_within_the_timeout_with_a_clear_error(tmp_path):

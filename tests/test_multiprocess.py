@@ -123,3 +123,38 @@ def test_batch_arithmetic_error_names_numbers_and_nearest_values():
     assert "prompts_per_step=4 (12 trajectories, 6 per process)" in msg
     assert "num_generations=2 (6 trajectories" in msg and "num_generations=4 (12 trajectories" in msg
     check_batch(SimpleNamespace(prompts_per_step=3, num_generations=4), 2)  # 12 / 2: fine
+
+
+AFTER_TRAIN = '''
+import os, sys
+import torch
+sys.path.insert(0, {here!r})
+import multiprocess_worker as mw
+import trl_flow
+
+torch.set_num_threads(1)
+out = {out!r}
+tr = mw.make_trainer(trl_flow.FlowGRPOTrainer, os.path.join(out, "run"), max_steps=1, report_to="tensorboard",
+                     run_name="r")
+tr.train()
+rank = tr.accelerator.process_index
+with open(os.path.join(out, f"rank{{rank}}"), "w") as f:
+    f.write(str(torch.distributed.is_initialized()))
+tr.save_model(os.path.join(out, "after"))  # collective: every process waits for the others
+tr.accelerator.end_training()
+'''
+
+
+def test_a_tracked_run_keeps_its_processes_together_after_train(tmp_path):
+    """``report_to`` set, two processes: ``train()`` ends its trackers but not the process group, so the Python
+    API's next collective call (``save_model``, ``push_to_hub``) works; the script ends it with ``end_training()``.
+    (Before: ``train()`` called ``end_training()``, which destroyed the group, and ``save_model`` failed.)"""
+    script = tmp_path / "after_train.py"
+    script.write_text(AFTER_TRAIN.format(here=HERE, out=str(tmp_path)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           str(script)]
+    proc = subprocess.run(cmd, env=_env(ACCELERATE_USE_CPU="1"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert [open(tmp_path / f"rank{r}").read() for r in (0, 1)] == ["True", "True"]
+    assert os.path.exists(tmp_path / "after" / "pytorch_lora_weights.safetensors")
+    assert any(n.startswith("events.out.tfevents") for n in os.listdir(tmp_path / "run" / "r"))  # tracked

@@ -34,8 +34,10 @@ def train(trainer, resume_from_checkpoint=None):
             if cfg.push_to_hub:
                 trainer.push_to_hub()
         finally:
-            if cfg.report_to:
-                acc.end_training()
+            # the trackers end with the run; the process group does not (accelerate's end_training() would
+            # destroy it, and the caller's next collective -- save_model, push_to_hub -- would fail)
+            for tracker in acc.trackers if cfg.report_to else ():
+                tracker.finish()
     return trainer.state
 
 
