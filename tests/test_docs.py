@@ -747,6 +747,13 @@ def test_diffusion_nft_tier3_numbers_are_the_committed_results():
     kl = sorted(statistics.mean(cfg["methods"][f"diffusion_nft_cfg@{lr}"]["kl"]) / statistics.mean(ref["kl"])
                 for lr in ("0.0005", "0.001"))
     assert f"at {kl[0]:.2f}-{kl[1]:.2f}x its KL to the base" in flat
+    fast = cfg["methods"]["diffusion_nft_cfg@0.002"]  # lr 2e-3: 3 seeds, each reaching the target
+    assert len(fast["seeds"]) == 3 and None not in fast["steps_to_target"]
+    t_fast = page.welch_t(fast["final"], ref["final"])
+    assert (f"At 2e-3 it ends at {page.fmt(page.ms(fast['final']))} (t {t_fast:+.1f}) and reaches the target on every "
+            f"seed, at iterations {', '.join(map(str, fast['steps_to_target'][:-1]))} and "
+            f"{fast['steps_to_target'][-1]}, at {statistics.mean(fast['kl']) / statistics.mean(ref['kl']):.2f}x "
+            "Flow-GRPO's KL") in flat and 0 < t_fast < page.T_DIFF
     readme = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
     assert (f"tier 3 (held-out prompts), with CFG: within the noise of Flow-GRPO at {kl[0]:.2f}-{kl[1]:.2f}x "
             "its KL") in readme
