@@ -110,3 +110,6 @@ def main(out_root: str, specs: list[str]) -> None:
 if __name__ == "__main__":
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     main(sys.argv[1], sys.argv[2].split(","))
+    from trl_flow.trainers.distributed import end_processes
+
+    end_processes()  # as the CLI does: a process group left to interpreter exit can abort a finished rank (gloo)

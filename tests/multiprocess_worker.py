@@ -98,10 +98,11 @@ def main(out_root: str, names: list[str]) -> None:
         if tr.accelerator.is_main_process:
             save_file({**records, **{f"lora/{k}": v for k, v in lora(tr).items()}},
                       os.path.join(out_root, f"{name}.safetensors"))
-    # Tear the process group down before exit: left to interpreter shutdown, gloo's threads were sometimes
-    # destroyed while joinable and a rank died with SIGABRT after its results were written.
-    tr.accelerator.wait_for_everyone()
-    tr.accelerator.end_training()
+    # Tear the process group down before exit, as the CLI does: left to interpreter shutdown, gloo's threads were
+    # sometimes destroyed while joinable and a rank died with SIGABRT after its results were written.
+    from trl_flow.trainers.distributed import end_processes
+
+    end_processes()
 
 
 if __name__ == "__main__":

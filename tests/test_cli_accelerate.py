@@ -79,6 +79,7 @@ def _record_exit():
 
 atexit.register(_record_exit)
 
+
 def rank_reward(images, prompts, **kwargs):
     """brightness; records which process scored how many images."""
     from accelerate import PartialState

@@ -427,7 +427,7 @@ def run(command: str, argv: list[str]):
     trainer.train()
     from .trainers.distributed import end_processes
 
-    end_processes(trainer.accelerator)  # the command is done; a process group left to exit can abort the process
+    end_processes()  # the command is done; a process group left to exit can abort the process
     return trainer
 
 

@@ -312,15 +312,18 @@ def check_resume(trainer, path: str, saved_processes: int | None) -> None:
             "launch it was written with (multi_gpu, or one process)")
 
 
-def end_processes(acc) -> None:
+def end_processes() -> None:
     """The last step of a process that ran to the end (the CLI's): wait for the others, then destroy the process
-    group. Left to interpreter exit, gloo's worker threads can be destroyed while still joinable, and the process
-    aborts (SIGABRT, ``terminate called without an active exception``) after its work is done: 5-6 of 100 gloo
-    processes here, 0 of 100 with this call (``scripts/measure_gloo_exit.py``). Not after an error: a peer may
-    still be waiting in a collective. One process: nothing to do."""
+    group (accelerate's shared state does both). Left to interpreter exit, gloo's worker threads can be destroyed
+    while still joinable, and the process aborts (SIGABRT, ``terminate called without an active exception``) after
+    its work is done: 5-6 of 100 gloo processes here, 0 of 100 with this call (``scripts/measure_gloo_exit.py``).
+    Not after an error: a peer may still be waiting in a collective. One process: nothing to do."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        acc.wait_for_everyone()
-        acc.state.destroy_process_group()
+        from accelerate import PartialState
+
+        state = PartialState()
+        state.wait_for_everyone()
+        state.destroy_process_group()
 
 
 # ------------------------------------------------------------------------------------------------ export
