@@ -468,11 +468,19 @@ def test_flow_dppo_matched_numbers_are_the_committed_runs():
     kl = page.compare(page.load_panel("tier2b"), "flow_dppo_1epoch@0.001", "flow_grpo@0.001", "kl_at_target")
     kl_a = page.compare(p, "flow_dppo_1epoch@0.001", "flow_grpo@0.001", "kl_at_target")
     assert min(one["na"], one["nb"], two["na"], two["nb"]) >= 3
-    assert f"Welch t {one['t']:.1f}" in text and f"(t {two['t']:.1f})" in text and f"(t {epoch['t']:.1f})" in text
+    assert f"Welch t {one['t']:.1f}" in text and f"(t {two['t']:.1f};" in text and f"(t {epoch['t']:.1f})" in text
     assert f"{kl['ratio']:.2f}x Flow-GRPO's on prompt set B (t {kl['t']:.1f})" in text and kl["nb"] == 3
     assert f"set A it is {kl_a['ratio']:.2f}x, untested there because one Flow-GRPO seed never reached" in text
     assert kl_a["nb"] == len(p["methods"]["flow_grpo@0.001"]["seeds"]) - 1
     assert abs(one["t"]) < page.T_DIFF and abs(two["t"]) < page.T_DIFF and abs(kl["t"]) >= page.T_DIFF  # the words
+    # two passes each on set B (the runs set B lacked until stop 49), and the KL at a matched score with two passes
+    two_b = page.compare(page.load_panel("tier2b"), "flow_dppo@0.001", "flow_grpo_2epochs@0.001")
+    assert f"(t {two['t']:.1f}; on prompt set B too, t {two_b['t']:.1f})" in text and abs(two_b["t"]) < page.T_DIFF
+    kl2 = [page.compare(q, "flow_dppo@0.001", "flow_grpo_2epochs@0.001", "kl_at_target")
+           for q in (page.load_panel("tier2b"), p)]
+    assert (f"With two passes each it is {kl2[0]['ratio']:.2f}x on set B (t {kl2[0]['t']:.1f}), beyond the noise, and "
+            f"{kl2[1]['ratio']:.2f}x on set A (t {kl2[1]['t']:.1f}), within it") in text
+    assert kl2[0]["t"] <= -page.T_DIFF and abs(kl2[1]["t"]) < page.T_DIFF and min(kl2[0]["na"], kl2[0]["nb"]) == 3
 
 
 def test_stepwise_grid_numbers_are_the_committed_measurement():
