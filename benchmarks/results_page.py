@@ -138,6 +138,12 @@ def one_sample_t(xs, base: float) -> float | None:
     return d / (sd / math.sqrt(len(xs))) if sd else math.copysign(math.inf, d)
 
 
+def extra_folders(panel: dict) -> tuple[str, ...]:
+    """A panel's ``extra``: one folder name or several, as a tuple."""
+    extras = panel.get("extra", ())
+    return (extras,) if isinstance(extras, str) else tuple(extras)
+
+
 def load_panel(name: str) -> dict | None:
     """Per shown label, per-seed values from the folder's results.json (None when the folder is not committed)."""
     panel = PANELS[name]
@@ -149,8 +155,7 @@ def load_panel(name: str) -> dict | None:
     summary = data["summary"]
     split, key, target = summary["split"], summary["score_key"], summary["target"]
     runs_of = {label: [r for r in data["runs"] if r["method"] == label] for label in panel["methods"]}
-    extras = panel.get("extra", ())
-    extras = (extras,) if isinstance(extras, str) else extras
+    extras = extra_folders(panel)
     for side in dict.fromkeys([*extras, panel.get("target_from")]):
         # other folders of the same tier and prompts: their runs of labels this folder lacks (the first folder that
         # has a label gives all its runs), and / or the target
@@ -232,8 +237,7 @@ ABLATION_ROWS = {"op_grpo@0.001": "described form (sequence weight)", "op_grpo_p
 
 def folders_note(panel: dict) -> str:
     """Where a panel's runs and target come from: its folder, and the folders that add runs or give the target."""
-    extras = panel.get("extra", ())
-    extras = [e for e in ((extras,) if isinstance(extras, str) else extras) if e != panel["folder"]]
+    extras = [e for e in extra_folders(panel) if e != panel["folder"]]
     text = f"folder `benchmarks/results/{panel['folder']}/`"
     if extras:
         text += " and the runs it lacks from " + ", ".join(f"`benchmarks/results/{e}/`" for e in extras)
