@@ -184,6 +184,9 @@ BASE = dict(
     num_generations=8, prompts_per_step=8, per_device_train_batch_size=32, gradient_accumulation_steps=2,
     learning_rate=5e-4, clip_range=1e-3, beta=0.0, noise_level=0.7, lora_r=16, lora_alpha=32,
     same_noise_per_group=True, eval_num_inference_steps=20, per_device_eval_batch_size=200, disable_tqdm=True,
+    # the layout of every committed run before mixed-prompt batches became the trainers' default; `*_mixed` labels
+    # take the default (`mixed`)
+    batch_layout="by_prompt",
 )
 
 # name -> (config class, trainer class, overrides)
@@ -265,6 +268,11 @@ METHODS = {
     "diffusion_nft": ("DiffusionNFTConfig", "DiffusionNFTTrainer", {"guidance_scale": 1.0, "same_noise_per_group": False}),
     "diffusion_nft_cfg": ("DiffusionNFTConfig", "DiffusionNFTTrainer", {"same_noise_per_group": False}),
 }
+# Mixed-prompt update batches (the trainers' default `batch_layout`, as the released code shuffles before the
+# update) against the by-prompt layout of the committed runs: the same method with only the layout changed.
+for _name in ("flow_grpo", "flow_dppo_1epoch", "diffusion_nft_cfg"):
+    _cfg, _cls, _over = METHODS[_name]
+    METHODS[f"{_name}_mixed"] = (_cfg, _cls, {**_over, "batch_layout": "mixed"})
 DEFAULT_METHODS = ["flow_grpo", "op_grpo"]
 
 

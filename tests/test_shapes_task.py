@@ -547,3 +547,27 @@ def test_pretraining_schedule_update_and_timed_loop(capsys):
     assert [s for s, _ in seen] == list(range(len(seen))) and len(losses) == total == len(seen) >= 12
     assert all(t == 10**9 for _, t in seen[:12]) and all(t == total for _, t in seen[12:])
     assert f"--steps {total}" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------ update-batch layout
+def test_default_layout_mixes_prompts_in_every_microbatch_and_keeps_first_ratio_one(tmp_path):
+    """FlowGRPOConfig()'s batch defaults (4 prompts x 8, microbatch 8) on the shapes task: every update microbatch
+    holds samples of several prompts (``batch_layout="mixed"``), and the first pass still recomputes the rollout's
+    log-probs bit for bit. ``by_prompt`` gives one prompt per microbatch at these sizes."""
+    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
+
+    prompts = grammar.train_prompts()["prompt"][:16]
+    logs = {}
+    for layout in ("mixed", "by_prompt"):
+        cfg = FlowGRPOConfig(output_dir=str(tmp_path / layout), height=32, width=32, max_steps=2, num_inference_steps=4,
+                             max_sequence_length=model.MAX_SEQUENCE_LENGTH, guidance_scale=model.DEFAULT_GUIDANCE_SCALE,
+                             batch_layout=layout, disable_tqdm=True)
+        assert (cfg.prompts_per_step, cfg.num_generations, cfg.per_device_train_batch_size) == (4, 8, 8)
+        trainer = FlowGRPOTrainer(cfg, model.load_base_pipeline(), [shapes.shapes_partial_reward],
+                                  train_dataset=list(prompts))
+        trainer.train()
+        logs[layout] = trainer.state.log_history
+    for entry in logs["mixed"]:
+        assert entry["prompts_per_microbatch"] >= 2
+        assert entry["ratio_first_max_dev"] == 0.0
+    assert [e["prompts_per_microbatch"] for e in logs["by_prompt"]] == [1.0, 1.0]

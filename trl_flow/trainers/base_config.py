@@ -17,6 +17,8 @@ from ..trust_region import DEFAULT_KL_MASK_DELTA, KL_MASK_MODES, TRUST_REGIONS
 
 
 GUIDANCE_GRADS = ("cond_only", "both")
+#: ``batch_layout``: the order of an iteration's samples (and so of the first update pass's microbatches).
+BATCH_LAYOUTS = ("mixed", "by_prompt")
 MAX_SEED = 2**32 - 1
 
 #: `transformers.get_scheduler` names usable here (stepped once per optimizer step, no extra arguments).
@@ -44,6 +46,7 @@ class FlowRLConfig:
     prompts_per_step: int = field(default=4, metadata={"help": "Distinct prompts (groups) per iteration, over all processes. `prompts_per_step * num_generations` must divide evenly among processes."})
     per_device_train_batch_size: int = field(default=8, metadata={"help": "Trajectories per forward pass on one device, for sampling and for the update."})
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "Microbatches (of `per_device_train_batch_size` trajectories, each over all its trained steps) accumulated per optimizer step."})
+    batch_layout: str = field(default="mixed", metadata={"help": "Order of an iteration's samples, which the first update pass keeps: `mixed` (default; seeded permutation: every microbatch holds several prompts, as the released flow_grpo, DiffusionNFT and UniRL code shuffle before the update) or `by_prompt` (one group after another: a microbatch of G holds one prompt; trl_flow's layout until 0.1, the committed benchmark runs)."})
     num_inner_epochs: int = field(default=1, metadata={"help": "Passes of updates over each rollout. The first pass keeps the rollout's batch composition so the first ratio is exactly 1; later passes shuffle."})
     # ---- optimisation ------------------------------------------------------------------------------------------
     learning_rate: float = field(default=3e-4, metadata={"help": "AdamW learning rate (published Flow-GRPO: 3e-4 for LoRA)."})
@@ -136,6 +139,7 @@ class FlowRLConfig:
              "are derived from it)")
         need(self.num_inference_steps >= 2, "num_inference_steps", "must be >= 2 (the last step is never trained)")
         need(self.sampler in SAMPLERS, "sampler", f"must be one of {SAMPLERS}")
+        need(self.batch_layout in BATCH_LAYOUTS, "batch_layout", f"must be one of {BATCH_LAYOUTS}")
         if self.trains_on_log_probs:
             need(self.sampler != "ode", "sampler", "`ode` has no log-prob and cannot be trained; use flow_sde, cps or ddim")
         need(self.logprob_reduction in REDUCTIONS, "logprob_reduction", f"must be one of {REDUCTIONS}")

@@ -180,12 +180,23 @@ class FlowRLTrainer:
         cfg = self.config
         idx = prompt_indices(len(self.train_dataset), cfg.prompts_per_step, step, cfg.seed)
         rows = self.train_dataset[idx]
-        group_ids = torch.arange(cfg.prompts_per_step).repeat_interleave(cfg.num_generations)
+        group_ids = self.sample_layout(step)
         sl = self._local_slice(len(group_ids))
         g_local = group_ids[sl]
         prompts = [rows["prompt"][g] for g in g_local.tolist()]
         columns = {k: [v[g] for g in g_local.tolist()] for k, v in rows.items() if k != "prompt"}
         return prompts, columns, g_local
+
+    def sample_layout(self, step: int) -> torch.Tensor:
+        """The group (prompt) of each sample slot of the iteration over all processes, (P * G,). ``batch_layout``:
+        ``mixed`` orders the slots by a permutation seeded by (seed, step), so each sampling chunk, and so each
+        update microbatch of the first pass (which keeps the rollout's composition), holds several prompts;
+        ``by_prompt`` lays them out prompt by prompt."""
+        cfg = self.config
+        group_ids = torch.arange(cfg.prompts_per_step).repeat_interleave(cfg.num_generations)
+        if cfg.batch_layout == "mixed":
+            group_ids = group_ids[torch.randperm(len(group_ids), generator=self._generator(step, "layout"))]
+        return group_ids
 
     def sample(self, prompts, columns, group_ids, step, noise=None, start_states=None, start_step=0,
                generator_purpose: str = "sde", sample_ids=None) -> Rollout:
@@ -238,8 +249,7 @@ class FlowRLTrainer:
     def initial_noise(self, step: int) -> torch.Tensor:
         """This process's initial noise (N, *L); identical across process counts (drawn globally, then sliced)."""
         cfg = self.config
-        group_ids = torch.arange(cfg.prompts_per_step).repeat_interleave(cfg.num_generations)
-        return self.global_noise(step, group_ids)[self._local_slice(cfg.train_batch_size)]
+        return self.global_noise(step, self.sample_layout(step))[self._local_slice(cfg.train_batch_size)]
 
     def global_noise(self, step: int, group_ids: torch.Tensor) -> torch.Tensor:
         """Initial noise (len(group_ids), *L) for every sample slot of the iteration over all processes; with
@@ -362,7 +372,7 @@ class FlowRLTrainer:
         trained_steps = rollout.trained_steps()  # identical on every process (DDP needs equal backward calls)
         sums, counts = defaultdict(float), defaultdict(float)
         first_dev = first_kl = 0.0
-        grad_norms = []
+        grad_norms, prompts_per_mb = [], []
         self.model.train()
         for epoch in range(cfg.num_inner_epochs):
             # Epoch 0 keeps the rollout's batch composition, so its log-probs are recomputed bit for bit.
@@ -375,6 +385,8 @@ class FlowRLTrainer:
                 if not self._any_trainable(rollout, group):
                     continue  # no sample has a reward anywhere: no forward, no optimizer step, weights untouched
                 n_backward = len(group) * len(trained_steps)
+                prompts_per_mb += [len(torch.unique(rollout.group_ids[idx.to(rollout.group_ids.device)]))
+                                   for idx in group]
                 for b_i, idx in enumerate(group):
                     for s_i, k in enumerate(trained_steps):
                         last = b_i == len(group) - 1 and s_i == len(trained_steps) - 1
@@ -411,6 +423,7 @@ class FlowRLTrainer:
             if name in sums:
                 metrics[name] = sums[name]
         metrics["ratio_first_max_dev"] = first_dev
+        metrics["prompts_per_microbatch"] = sum(prompts_per_mb) / len(prompts_per_mb) if prompts_per_mb else 0.0
         if "kl_old" in counts:
             metrics["kl_old_first_max"] = first_kl
         finite = [g for g in grad_norms if math.isfinite(g)]

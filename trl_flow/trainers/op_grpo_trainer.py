@@ -95,11 +95,18 @@ class OPGRPOTrainer(FlowGRPOTrainer):
         groups += [(es[0].prompt, es[0].columns) for es in served]
         n_rep = [len(es) for es in served]
         entries = [e for es in served for e in es]  # the replay slots' entries, in plan order
-        # Global sample list: every group's fresh trajectories first, then the replayed ones, group by group.
+        # Global sample list: every group's fresh trajectories first, then the replayed ones, group by group;
+        # batch_layout="mixed" permutes the fresh slots among themselves and the replay slots among themselves.
         n_fresh = [G] * n_fresh_groups + [G - r for r in n_rep]
         plan = [(g, False) for g in range(P) for _ in range(n_fresh[g])]
         n_fresh_slots = len(plan)
         plan += [(g, True) for g in range(n_fresh_groups, P) for _ in range(n_rep[g - n_fresh_groups])]
+        if cfg.batch_layout == "mixed":
+            gen = self._generator(step, "layout")
+            fresh_order = torch.randperm(n_fresh_slots, generator=gen).tolist()
+            replay_order = torch.randperm(len(entries), generator=gen).tolist()
+            plan = [plan[i] for i in fresh_order] + [plan[n_fresh_slots + i] for i in replay_order]
+            entries = [entries[i] for i in replay_order]
         self._groups = groups
         sl = self._local_slice(len(plan))
         local = plan[sl]
