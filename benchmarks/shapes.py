@@ -483,7 +483,7 @@ def edit_sheet(trainer, tier: dict, out: str, label: str, seed: int, per_instruc
 
     from trl_flow.editing import source_tensor
     from trl_flow.hub import before_after
-    from trl_flow.trainers.tracking import grid
+    from trl_flow.video import grid
 
     rows = edit_rows(tier, "trained")
     picked = [i for ins in tier["train"] for i in [j for j, p in enumerate(rows["prompt"]) if p == ins][:per_instruction]]

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import multiprocess_worker as mw  # noqa: E402
 import trl_flow  # noqa: E402
-from trl_flow.trainers import checkpoints  # noqa: E402
+from trl_flow.engine import checkpoints  # noqa: E402
 
 out, max_steps = sys.argv[1], int(sys.argv[2])
 hang_at, reward_seconds = int(sys.argv[3]), float(sys.argv[4])

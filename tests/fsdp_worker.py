@@ -30,7 +30,7 @@ def make(cls, output_dir, finetune, **overrides):
 
 def trained_weights(trainer) -> dict[str, torch.Tensor]:
     """The trained parameters as full tensors (every process calls this: gathering DTensors is a collective)."""
-    from trl_flow.trainers.distributed import full_tensors
+    from trl_flow.engine.distributed import full_tensors
 
     model = trainer.accelerator.unwrap_model(trainer.model)
     return {n: t.clone() for n, t in full_tensors({n: p for n, p in model.named_parameters() if p.requires_grad}).items()}
@@ -110,6 +110,6 @@ def main(out_root: str, specs: list[str]) -> None:
 if __name__ == "__main__":
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     main(sys.argv[1], sys.argv[2].split(","))
-    from trl_flow.trainers.distributed import end_processes
+    from trl_flow.engine.distributed import end_processes
 
     end_processes()  # as the CLI does: a process group left to interpreter exit can abort a finished rank (gloo)

@@ -100,7 +100,7 @@ def main(out_root: str, names: list[str]) -> None:
                       os.path.join(out_root, f"{name}.safetensors"))
     # Tear the process group down before exit, as the CLI does: left to interpreter shutdown, gloo's threads were
     # sometimes destroyed while joinable and a rank died with SIGABRT after its results were written.
-    from trl_flow.trainers.distributed import end_processes
+    from trl_flow.engine.distributed import end_processes
 
     end_processes()
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import PROMPTS, brightness
 
-from trl_flow.trainers import checkpoints
+from trl_flow.engine import checkpoints
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -257,7 +257,7 @@ def test_python_api_fixes_are_rewritten_to_flags():
 
 
 def test_resume_true_on_the_command_line_means_what_it_does_in_python():
-    from trl_flow.trainers.checkpoints import normalize_resume
+    from trl_flow.engine.checkpoints import normalize_resume
 
     for spelling in ("True", "true", "latest"):
         _, config, _ = cli.parse_args("grpo", ["--resume_from_checkpoint", spelling])

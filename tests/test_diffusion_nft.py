@@ -357,7 +357,7 @@ def test_config_defaults_and_input_checks(tmp_path):
 
 
 def test_fsdp_is_refused_before_any_set_up(tmp_path, fresh_pipe, monkeypatch):
-    from trl_flow.trainers.distributed import DistributedSetupError
+    from trl_flow.engine.distributed import DistributedSetupError
 
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     with pytest.raises(DistributedSetupError, match="multi_gpu"):

@@ -128,7 +128,7 @@ def test_replace_keeps_default_meaning_default():
     with pytest.raises(ValueError, match=r"OPGRPOConfig\.truncation_step="):  # explicit value checked again
         dataclasses.replace(OPGRPOConfig(num_inference_steps=10, truncation_step=8), num_inference_steps=6)
     # the flat config (checkpoints, trackers, cards) holds what the defaults stand for
-    from trl_flow.trainers.checkpoints import flat_config
+    from trl_flow.engine.checkpoints import flat_config
 
     flat = flat_config(o6)
     assert flat["truncation_step"] == 4 and flat["kl_mask_delta"] == DEFAULT_KL_MASK_DELTA

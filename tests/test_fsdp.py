@@ -227,7 +227,7 @@ def test_op_grpo_under_fsdp_is_refused_with_the_fix(fsdp):
 def test_fsdp_request_that_accelerate_turns_into_nothing_is_refused(tmp_path, monkeypatch):
     """The fsdp2 environment without a process group (no GPU, CPU not forced): DistributedType.NO, refused."""
     import trl_flow
-    from trl_flow.trainers.distributed import DistributedSetupError
+    from trl_flow.engine.distributed import DistributedSetupError
 
     for k, v in fsdp2_env().items():
         monkeypatch.setenv(k, v)
@@ -243,7 +243,7 @@ def test_fsdp_request_that_accelerate_turns_into_nothing_is_refused(tmp_path, mo
 ])
 def test_sharding_requests_the_cpu_cannot_run_are_refused(tmp_path, monkeypatch, request_env, match):
     import trl_flow
-    from trl_flow.trainers.distributed import DistributedSetupError
+    from trl_flow.engine.distributed import DistributedSetupError
 
     monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
     for k, v in request_env.items():
@@ -272,7 +272,7 @@ def test_a_plain_run_records_its_distributed_type(tmp_path):
 def test_what_accelerate_set_up_is_compared_with_the_request(want, got, n, world, match):
     import re
 
-    from trl_flow.trainers.distributed import mismatch
+    from trl_flow.engine.distributed import mismatch
 
     problem = mismatch(want, got, n, world)
     assert (problem is None) if match is None else bool(re.search(match, problem)), problem

@@ -13,7 +13,7 @@ from conftest import brightness, tiny_config
 
 from trl_flow import FlowGRPOTrainer, testing
 from trl_flow.models import get_adapter
-from trl_flow.trainers.guards import LongPromptWarning
+from trl_flow.engine.guards import LongPromptWarning
 
 MSL = 64
 LONG = "a dog " * 40

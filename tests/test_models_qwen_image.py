@@ -227,7 +227,7 @@ def test_a_prompt_cut_at_max_sequence_length_warns_once():
     counting the prompt's tokens with the template's closing tokens as the pipeline does (46 here)."""
     import warnings
 
-    from trl_flow.trainers.guards import LongPromptWarning
+    from trl_flow.engine.guards import LongPromptWarning
 
     guard = LongPromptWarning(QwenImageAdapter(tiny_qwen_image_pipeline()), MAX_SEQ)
     with warnings.catch_warnings():

@@ -313,7 +313,7 @@ def test_lora_round_trips_through_pipeline_loader(tmp_path, form, experts):
     assert sorted(n for n in os.listdir(out) if n.endswith(".safetensors")) == sorted(names)
     assert len(names) == len(trainer.adapter.trained_components())
     from trl_flow.hub import upload_patterns
-    from trl_flow.trainers.output_dir import earlier_outputs
+    from trl_flow.engine.output_dir import earlier_outputs
 
     assert set(names) <= set(upload_patterns(trainer, False))  # a push uploads every expert's file
     assert set(names) <= set(earlier_outputs(out, "another-run"))  # and a new run refuses a folder holding them

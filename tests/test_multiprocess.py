@@ -113,7 +113,7 @@ def test_a_launcher_world_size_without_processes_is_refused(tmp_path, monkeypatc
 def test_batch_arithmetic_error_names_numbers_and_nearest_values():
     from types import SimpleNamespace
 
-    from trl_flow.trainers.guards import check_batch
+    from trl_flow.engine.guards import check_batch
 
     with pytest.raises(ValueError) as info:
         check_batch(SimpleNamespace(prompts_per_step=3, num_generations=3), 2)

@@ -117,7 +117,7 @@ def test_sigterm_to_trl_flow_launch_finishes_the_iteration_saves_and_exits_143(t
     """`trl-flow grpo --accelerate_config multi_gpu --num_processes 2`, SIGTERM to it during iteration 1: both
     processes finish the iteration, checkpoint-1 is written complete, the exit status is 143. The processes were
     given the launcher's shutdown timeout DEFAULT_SHUTDOWN_TIMEOUT (torch's 30 s kills any longer iteration)."""
-    from trl_flow.trainers import checkpoints
+    from trl_flow.engine import checkpoints
 
     proc, markers, out = _launch_and_terminate(tmp_path, "trl-flow", sleep=6)
     log = _output(proc)

@@ -15,7 +15,7 @@ import torch
 from conftest import PROMPTS, brightness, tiny_config
 
 from trl_flow import FlowGRPOTrainer
-from trl_flow.trainers import checkpoints
+from trl_flow.engine import checkpoints
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -252,7 +252,7 @@ def test_two_fresh_processes_write_identical_lora_weights_and_metadata(tmp_path)
 
 # --------------------------------------------------------------------------------------- item 4: said once
 def test_a_multi_process_run_says_once_how_many_processes(monkeypatch):
-    from trl_flow.trainers import guards
+    from trl_flow.engine import guards
 
     class FakeAccelerator:
         def __init__(self, n, main):

@@ -18,7 +18,8 @@ import pytest
 import torch
 from conftest import PROMPTS, brightness, tiny_config
 
-from trl_flow.trainers import checkpoints
+from trl_flow import storage
+from trl_flow.engine import checkpoints
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -216,7 +217,7 @@ def test_sigterm_during_the_final_save_lets_it_finish_then_exits_143(make_traine
     with pytest.raises(SystemExit) as info:
         tr.train()
     assert info.value.code == 128 + signal.SIGTERM
-    assert (out / "model_index.json").is_file() and not (out / checkpoints.SAVE_TMP_NAME).exists()
+    assert (out / "model_index.json").is_file() and not (out / storage.SAVE_TMP_NAME).exists()
     reloaded = load_pipeline(str(out)).transformer.state_dict()
     trained = tr.accelerator.unwrap_model(tr.model).state_dict()
     assert reloaded.keys() == trained.keys() and all(torch.equal(reloaded[k], trained[k]) for k in trained)
@@ -262,7 +263,7 @@ def test_disk_full_during_the_final_save_keeps_the_weights_for_a_retry(make_trai
         assert f"writing the model into {out} failed: the disk mounted at " in said and "is full" in said
         assert "nothing of this save was kept" in said and "call trainer.save_model()" in said
         assert "no checkpoint was saved" in said
-        assert not (out / checkpoints.LORA_WEIGHT_NAME).exists() and not (out / checkpoints.SAVE_TMP_NAME).exists()
+        assert not (out / checkpoints.LORA_WEIGHT_NAME).exists() and not (out / storage.SAVE_TMP_NAME).exists()
         # A folder that already holds a model keeps it, byte for byte.
         other = tmp_path / "other"
         other.mkdir()

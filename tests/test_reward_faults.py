@@ -20,7 +20,7 @@ from conftest import brightness
 from trl_flow import FlowGRPOConfig
 from trl_flow.rewards import RewardError, compute_rewards
 from trl_flow.rewards.threads import DaemonPool
-from trl_flow.trainers import checkpoints
+from trl_flow.engine import checkpoints
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -115,7 +115,7 @@ def test_wandb_offline_gets_captioned_images_and_histograms(make_trainer, tmp_pa
 
 
 def test_captions_name_every_reward_and_missing_scores():
-    from trl_flow.trainers.tracking import captions
+    from trl_flow.engine.tracking import captions
 
     text = captions(["a cat", "a dog"], torch.tensor([0.5, float("nan")]),
                     {"pick": torch.tensor([0.25, float("nan")]), "ocr": torch.tensor([0.25, float("nan")])})

@@ -407,7 +407,7 @@ def _rendezvous_error(args, config_file: str, error: Exception) -> str:
 def run(command: str, argv: list[str]):
     """Run a trainer subcommand: parse, check rewards and prompts, load the pipeline, train, save. Returns the
     trainer (``None`` when the work ran in processes started by ``accelerate launch``). In a process of a
-    multi-process launch the process group is destroyed by then (:func:`.trainers.distributed.end_processes`)."""
+    multi-process launch the process group is destroyed by then (:func:`.engine.distributed.end_processes`)."""
     script_args, config, launch_args = parse_args(command, argv)
     if script_args.accelerate_config and not os.environ.get(_CHILD_ENV):
         _launch(command, argv, script_args, launch_args)
@@ -425,7 +425,7 @@ def run(command: str, argv: list[str]):
     pipe = _load_pipeline(script_args, config)
     trainer = trainer_cls(config, pipe, reward_funcs, train_dataset=train, eval_dataset=evald)
     trainer.train()
-    from .trainers.distributed import end_processes
+    from .engine.distributed import end_processes
 
     end_processes()  # the command is done; a process group left to exit can abort the process
     return trainer

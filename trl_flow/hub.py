@@ -22,7 +22,8 @@ import shutil
 import warnings
 from importlib import metadata
 
-LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+from .engine.distributed import agree
+
 GRID_PATH = "images/before_after.png"
 BUFFER_DIR = "replay_buffer"
 TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "templates", "model_card.md")
@@ -72,8 +73,6 @@ def check_hub_access(accelerator=None, hint: bool = True) -> None:
     does not answer / rejects the token. One ``whoami`` request, no retries. With several processes the main process
     checks and every process raises (none is left waiting in a collective). ``hint``: end the message with the
     ``push_to_hub=False`` advice (before training; not after it)."""
-    from .trainers.checkpoints import agree
-
     error = None
     if accelerator is None or accelerator.is_main_process:
         error = _hub_access_error(hint)
@@ -215,7 +214,7 @@ def before_after(trainer, prompts: list[str], seed: int = CARD_SEED, columns: di
     from the trained one (bottom row; EMA weights if EMA is on), same noise. Returns (grid or None, has_before).
     Runs on every process (sharded models need all of them); cheap: ``2 x len(prompts)`` images. ``columns``: the
     prompts' dataset columns (default: :func:`card_columns`; an editing model reads its source images there)."""
-    from .trainers.tracking import grid
+    from .video import grid
 
     cfg = trainer.config
     if columns is None:
@@ -224,14 +223,9 @@ def before_after(trainer, prompts: list[str], seed: int = CARD_SEED, columns: di
         after, _ = trainer.generate(prompts, seed=seed, columns=columns)
     before = None
     if cfg.finetune == "lora" or trainer.ref_model is not None:
-        with trainer.reference_policy() as ref:
-            current = trainer.model
-            if cfg.finetune != "lora":  # the frozen copy is a separate module
-                trainer.model = ref
-            try:
-                before, _ = trainer.generate(prompts, seed=seed, columns=columns)
-            finally:
-                trainer.model = current
+        with trainer.reference_policy() as ref:  # LoRA: the trained model with its adapters disabled
+            before, _ = trainer.generate(prompts, seed=seed, columns=columns,
+                                         model=None if cfg.finetune == "lora" else ref)
     import torch
 
     images = after if before is None else torch.cat([before, after])
@@ -337,8 +331,6 @@ def push_to_hub(trainer, commit_message: str = "End of training", private: bool 
     trainer.save_model(cfg.output_dir)  # first, always: what follows needs the Hub, the weights must not
     repo_id = cfg.hub_model_id or os.path.basename(os.path.abspath(cfg.output_dir))
     private = private if private is not None else cfg.hub_private_repo
-    from .trainers.checkpoints import agree
-
     try:
         check_hub_access(acc, hint=False)
         error = None

@@ -130,3 +130,22 @@ def save_videos(videos: torch.Tensor, out_dir: str, filename: str, fps: int = 8,
         else:
             paths.append(export_to_gif(frames, os.path.join(out_dir, f"{stem}_{i}.gif"), fps=fps))
     return paths
+
+
+def to_pil(images: torch.Tensor):
+    from diffusers.image_processor import VaeImageProcessor
+
+    # images are already in [0, 1] (the trainer's decode denormalises), so no `postprocess` denormalisation
+    return VaeImageProcessor.numpy_to_pil(VaeImageProcessor.pt_to_numpy(images))
+
+
+def grid(images: torch.Tensor, cols: int = 8):
+    """A PIL grid of images (B, 3, H, W) in [0, 1], ``cols`` wide, the last row padded with black."""
+    from diffusers.utils import make_image_grid
+    from PIL import Image
+
+    pil = to_pil(images.detach().float().clamp(0, 1).cpu())
+    cols = min(cols, len(pil))
+    rows = math.ceil(len(pil) / cols)
+    pil += [Image.new("RGB", pil[0].size)] * (rows * cols - len(pil))
+    return make_image_grid(pil, rows=rows, cols=cols)

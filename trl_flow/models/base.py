@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..storage import LORA_WEIGHT_NAME, follow_umask
+
 PromptEmbeds = dict[str, torch.Tensor]
 """Prompt conditioning: tensors whose first dim is the batch (B, ...). Index it with :func:`index_embeds`."""
 
@@ -113,7 +115,7 @@ class FlowAdapter:
     #: How the pipeline pads a batch of prompts: ``"max_length"`` (to a fixed length: a prompt's embedding depends
     #: on it and on the batch size only, so the trainer encodes each distinct prompt of an iteration once) or
     #: ``"longest"`` (to the batch's longest prompt, Qwen-Image: the trainer encodes each distinct sampling chunk
-    #: once). See :mod:`trl_flow.trainers.prompt_encoding`.
+    #: once). See :mod:`trl_flow.engine.prompt_encoding`.
     prompt_padding = "max_length"
 
     def __init__(self, pipe):
@@ -266,8 +268,6 @@ class FlowAdapter:
     # ----------------------------------------------------------------------------------------------- LoRA files
     def lora_weight_names(self) -> tuple[str, ...]:
         """The LoRA file(s) :meth:`save_lora_weights` writes; the first is the main one."""
-        from ..trainers.checkpoints import LORA_WEIGHT_NAME
-
         return (LORA_WEIGHT_NAME,)
 
     def lora_load_code(self, source: str) -> str:
@@ -294,8 +294,6 @@ class FlowAdapter:
             save_directory, transformer_lora_layers=state_dict, transformer_lora_adapter_metadata=metadata,
             weight_name=weight_name,
         )
-        from ..trainers.checkpoints import follow_umask
-
         follow_umask(os.path.join(save_directory, weight_name))
 
     def _read_lora(self, input_dir: str, weight_name: str) -> dict:

@@ -26,10 +26,11 @@ from ..models import get_adapter, index_embeds
 from ..rewards import RewardError, compute_rewards, validate_reward_funcs
 from ..rewards.scheduling import OverlappedScoring, collect_scores
 from ..rollout import Rollout, sample_trajectories, step_samplers
-from . import checkpoints, distributed, guards, model_setup, prompt_encoding, tracking, train_loop
-from . import output_dir as run_dir
+from ..engine import checkpoints, distributed, guards, model_setup, prompt_encoding, tracking, train_loop
+from ..engine import output_dir as run_dir
 from .base_config import FlowRLConfig
-from .checkpoints import LORA_WEIGHT_NAME, TrainerState  # noqa: F401  (re-exported)
+from ..engine.checkpoints import TrainerState
+from ..storage import LORA_WEIGHT_NAME  # noqa: F401  (re-exported)
 
 
 @dataclass
@@ -463,7 +464,7 @@ class FlowRLTrainer:
     def train(self, resume_from_checkpoint: str | bool | None = None):
         """Run ``max_steps`` iterations, then save the final model into ``output_dir`` (and push it when
         ``push_to_hub``). ``resume_from_checkpoint``: a checkpoint folder, or True / "latest" for the newest
-        ``checkpoint-*`` in ``output_dir``. Returns the trainer state. The loop: :mod:`~trl_flow.trainers.train_loop`."""
+        ``checkpoint-*`` in ``output_dir``. Returns the trainer state. The loop: :mod:`~trl_flow.engine.train_loop`."""
         return train_loop.train(self, resume_from_checkpoint)
 
     def training_iteration(self, step: int) -> dict[str, float]:
@@ -521,28 +522,31 @@ class FlowRLTrainer:
 
     @torch.no_grad()
     def _ode_trajectories(self, prompts: list[str], seed: int, num_inference_steps: int, guidance_scale: float,
-                          columns: dict | None = None):
-        """Deterministic trajectories of the current policy from noise seeded by ``seed``."""
+                          columns: dict | None = None, model=None):
+        """Deterministic trajectories of the current policy (or of ``model``) from noise seeded by ``seed``."""
         cfg = self.config
         noise = self.adapter.initial_noise(len(prompts), cfg.height, cfg.width, torch.Generator().manual_seed(seed))
         embeds = self.encode(prompts, guidance_scale, columns)
         schedule = self.adapter.schedule(num_inference_steps, cfg.height, cfg.width)
-        self.model.eval()
-        traj = sample_trajectories(self.adapter, self.model, embeds, noise.to(self.device), schedule,
+        model = self.model if model is None else model
+        model.eval()
+        traj = sample_trajectories(self.adapter, model, embeds, noise.to(self.device), schedule,
                                    ["ode"] * num_inference_steps, 0.0, guidance_scale,
                                    cfg.per_device_eval_batch_size, autocast=self._autocast)
         return traj["states"], embeds, schedule
 
     @torch.no_grad()
     def generate(self, prompts: list[str], seed: int = 0, num_inference_steps: int | None = None,
-                 guidance_scale: float | None = None, columns: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 guidance_scale: float | None = None, columns: dict | None = None,
+                 model=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Deterministic (ODE) samples of the current policy: images (B, 3, H, W) in [0, 1] and latents.
-        ``columns``: the prompts' dataset columns (an editing pipeline reads its source images there)."""
+        ``columns``: the prompts' dataset columns (an editing pipeline reads its source images there). ``model``:
+        another network to sample with (the frozen reference copy), default the trained one."""
         cfg = self.config
         K = num_inference_steps or cfg.eval_num_inference_steps
         gs = guidance_scale if guidance_scale is not None else (
             cfg.eval_guidance_scale if cfg.eval_guidance_scale is not None else cfg.guidance_scale)
-        states, _, _ = self._ode_trajectories(prompts, seed, K, gs, columns)
+        states, _, _ = self._ode_trajectories(prompts, seed, K, gs, columns, model=model)
         latents = states[:, -1]
         return self.decode(latents, cfg.per_device_eval_batch_size), latents
 
@@ -630,7 +634,7 @@ class FlowRLTrainer:
 
     # ---------------------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self) -> str:
-        """Write ``output_dir/checkpoint-<step>`` kill-safely (see :mod:`~trl_flow.trainers.checkpoints`);
+        """Write ``output_dir/checkpoint-<step>`` kill-safely (see :mod:`~trl_flow.engine.checkpoints`);
         rotated by ``save_total_limit`` among this run's checkpoints."""
         return checkpoints.save_checkpoint(self)
 
@@ -651,7 +655,7 @@ class FlowRLTrainer:
     # ------------------------------------------------------------------------------------- export, hub
     def save_model(self, output_dir: str | None = None) -> str:
         """Write the trained weights in diffusers format (EMA weights if EMA is on), atomically: a failure or an
-        interrupt leaves ``output_dir`` as it was (:class:`~trl_flow.trainers.checkpoints.SaveError` names the folder
+        interrupt leaves ``output_dir`` as it was (:class:`~trl_flow.storage.SaveError` names the folder
         and the disk; the weights stay in memory for another try). ``train()`` already saves into ``output_dir``.
 
         LoRA: ``pytorch_lora_weights.safetensors`` via the pipeline's ``save_lora_weights``, with the adapter

@@ -19,7 +19,8 @@ import torch
 from ..advantages import group_advantages
 from ..losses import masked_mean
 from ..models import index_embeds
-from . import checkpoints, distributed
+from ..engine import checkpoints, distributed
+from ..storage import follow_umask
 from .base_trainer import FlowRLTrainer
 from .diffusion_nft_config import DECAY_SCHEDULES, DiffusionNFTConfig
 
@@ -296,11 +297,11 @@ class DiffusionNFTTrainer(FlowRLTrainer):
     def save_extra_state(self, path: str) -> None:
         from safetensors.torch import save_file
 
-        names = checkpoints._trainable_names(self)
+        names = checkpoints.trainable_names(self)
         if len(names) != len(self._old_full):
             raise RuntimeError(f"{len(names)} trainable parameter names for {len(self._old_full)} old-policy tensors")
         save_file(dict(zip(names, self._old_full)), os.path.join(path, OLD_POLICY_NAME))
-        checkpoints.follow_umask(os.path.join(path, OLD_POLICY_NAME))
+        follow_umask(os.path.join(path, OLD_POLICY_NAME))
         with open(os.path.join(path, NFT_STATE_NAME), "w", encoding="utf-8") as f:
             json.dump({"optimizer_steps": self.nft_optimizer_steps, "decay": self.old_decay}, f)
 
@@ -312,7 +313,7 @@ class DiffusionNFTTrainer(FlowRLTrainer):
                 raise ValueError(f"checkpoint {path}: {name} (DiffusionNFT's old policy) is missing; resume from "
                                  "another checkpoint")
         tensors = load_file(os.path.join(path, OLD_POLICY_NAME))
-        names = checkpoints._trainable_names(self)
+        names = checkpoints.trainable_names(self)
         missing = [n for n in names if n not in tensors]
         if missing or len(names) != len(self.old_params):
             raise ValueError(f"checkpoint {path}: {OLD_POLICY_NAME} lacks {missing[:3]} (saved with other "

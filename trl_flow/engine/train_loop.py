@@ -14,7 +14,8 @@ from __future__ import annotations
 import os
 
 from ..rewards import RewardError
-from . import checkpoints
+from ..storage import SaveError
+from . import checkpoints, distributed, export
 from . import output_dir as run_dir
 from .interrupts import InterruptGuard
 
@@ -127,8 +128,8 @@ def save_final(trainer) -> None:
     out = trainer.config.output_dir
     try:
         trainer.save_model(out)
-    except checkpoints.SaveError as e:
-        raise checkpoints.SaveError(
+    except SaveError as e:
+        raise SaveError(
             f"{e}. The trained weights are still in this trainer's memory: make room, then call "
             f"trainer.save_model() (from the command line they are lost when the process ends); on disk, "
             f"{_kept(trainer)}") from e.__cause__
@@ -147,11 +148,9 @@ def save_model(trainer, output_dir: str | None = None) -> str:
     if getattr(trainer, "_saved_model", None) == key:  # the main process decides: it is the one that wrote
         acc = trainer.accelerator
         missing = None if not acc.is_main_process or os.path.isfile(os.path.join(target, main_file)) else "gone"
-        if checkpoints.agree(acc, missing) is None:
+        if distributed.agree(acc, missing) is None:
             return target
     run_dir.check_writable(target, "save_model(output_dir)")
-    from . import distributed
-
-    distributed.save_model(trainer, target)
+    export.save_model(trainer, target)
     trainer._saved_model = key
     return target

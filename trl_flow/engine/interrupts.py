@@ -9,7 +9,7 @@ otherwise ends the process with ``os._exit(128 + signum)``, the status of a proc
 is written then; complete checkpoints are untouched (a save in progress leaves only its ``.tmp`` folder).
 
 A collective that times out inside the guard (another process stopped answering for ``ddp_timeout`` seconds) is
-re-raised as :class:`~trl_flow.trainers.distributed.CollectiveTimeoutError`, which names the option.
+re-raised as :class:`~trl_flow.engine.distributed.CollectiveTimeoutError`, which names the option.
 """
 
 from __future__ import annotations

@@ -35,9 +35,11 @@ import time
 import uuid
 import warnings
 
+from .. import storage
+from ..storage import (LORA_WEIGHT_NAME, SaveError, describe_write_error, follow_umask, read_json, sha256,
+                       write_atomically, write_json)
 from . import distributed
 
-LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 COMPLETE_NAME = "checkpoint_complete.json"
 STATE_NAME = "trainer_state.json"
 CONFIG_NAME = "trainer_config.json"
@@ -46,10 +48,6 @@ EMA_WEIGHTS_NAME = "ema.safetensors"
 EMA_STATE_NAME = "ema.json"
 TMP_SUFFIX = ".tmp"
 TRASH_SUFFIX = ".deleting"
-#: Where save_model writes before putting the files in place (inside an existing target folder), and the suffix of
-#: the temporary sibling folder of a target that does not exist yet.
-SAVE_TMP_NAME = ".trl_flow_save.tmp"
-SAVE_TMP_SUFFIX = ".trl_flow_save.tmp"
 #: A resumed run that starts before the newest checkpoint of its run moves the later ones (the abandoned branch)
 #: into ``abandoned-after-step-<n>-<time>``: nothing is deleted, and resume_from_checkpoint=True no longer sees them.
 ABANDONED_PREFIX = "abandoned-after-step-"
@@ -220,7 +218,7 @@ def verify_files(info: CheckpointInfo) -> None:
         path = os.path.join(info.path, rel)
         if not os.path.isfile(path):
             raise ValueError(f"checkpoint {info.path}: file {rel} is missing; resume from another checkpoint")
-        if os.path.getsize(path) != meta["size"] or _sha256(path) != meta["sha256"]:
+        if os.path.getsize(path) != meta["size"] or sha256(path) != meta["sha256"]:
             raise ValueError(f"checkpoint {info.path}: file {rel} is corrupted (its size or sha256 differs from "
                              f"{COMPLETE_NAME}); resume from another checkpoint")
 
@@ -230,7 +228,7 @@ def clean_leftovers(output_dir: str) -> None:
     checkpoints (main process)."""
     if not os.path.isdir(output_dir):
         return
-    shutil.rmtree(os.path.join(output_dir, SAVE_TMP_NAME), ignore_errors=True)
+    shutil.rmtree(os.path.join(output_dir, storage.SAVE_TMP_NAME), ignore_errors=True)
     for name in os.listdir(output_dir):
         stem = name[: -len(TMP_SUFFIX)] if name.endswith(TMP_SUFFIX) else (
             name[: -len(TRASH_SUFFIX)] if name.endswith(TRASH_SUFFIX) else None)
@@ -284,150 +282,13 @@ def set_aside_later(output_dir: str, run_id: str, step: int) -> tuple[str | None
     return dest, names
 
 
-# ------------------------------------------------------------------------------------------------ write errors
-class SaveError(RuntimeError):
-    """Writing a checkpoint or the final model failed (disk full, permissions, ...): the message says which folder,
-    on which disk, and what is intact."""
-
-
-def disk_note(path: str) -> str:
-    """``the disk mounted at /mnt (123 MiB free)`` for the disk holding ``path`` (or its nearest existing parent)."""
-    probe = os.path.abspath(path)
-    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
-        probe = os.path.dirname(probe)
-    mount = probe
-    while not os.path.ismount(mount) and os.path.dirname(mount) != mount:
-        mount = os.path.dirname(mount)
-    try:
-        free = f"{shutil.disk_usage(probe).free / 2**20:.0f} MiB free"
-    except OSError:
-        free = "free space unknown"
-    return f"the disk mounted at {mount} ({free})"
-
-
-def is_disk_full(error: BaseException) -> bool:
-    """An ``OSError`` ENOSPC / EDQUOT, or what torch's zip writer and safetensors say when a write comes up short."""
-    for e in (error, error.__cause__, error.__context__):
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        text = str(e or "")
-        if any(s in text for s in ("No space left", "unexpected pos", "file write failed", "Disk quota")):
-            return True
-    return False
-
-
-def describe_write_error(folder: str, error: BaseException) -> str:
-    """``the disk mounted at / (12 MiB free) is full`` or ``<disk>: OSError: ...`` for a failed write into
-    ``folder``."""
-    where = disk_note(folder)
-    if is_disk_full(error):
-        return f"{where} is full ({type(error).__name__}: {str(error).strip().splitlines()[0][:200]})"
-    return f"{type(error).__name__}: {str(error).strip()[:300]} ({where})"
-
-
-def agree(accelerator, error: str | None) -> str | None:
-    """The first error message any process has (every process calls this; with one process a no-op)."""
-    if accelerator.num_processes == 1:
-        return error
-    from accelerate.utils import gather_object
-
-    return next((e for e in gather_object([error]) if e), None)
-
-
-def _fsync_tree(folder: str) -> None:
-    for root, _, names in os.walk(folder):
-        for name in names:
-            with open(os.path.join(root, name), "rb+") as f:
-                os.fsync(f.fileno())
-
-
-def write_atomically(target: str, write, last: tuple[str, ...] = ("model_index.json",)) -> None:
-    """``write(folder)`` into a temporary folder, then put the result at ``target`` so that a kill or a failed
-    write never leaves part of it there.
-
-    - ``target`` missing or empty: the temporary folder is its sibling (same disk), renamed to ``target`` at the end.
-    - ``target`` an existing folder (e.g. the run's output_dir): the files are written into
-      ``target/.trl_flow_save.tmp`` and moved into place by ``os.replace``, one name at a time (a file replaces the
-      old one atomically; a folder replaces the old one by two renames); a name in ``last`` (a pipeline's
-      ``model_index.json``) is removed first and put in place last, so a half-replaced pipeline never loads.
-
-    A failure (or a KeyboardInterrupt) while writing removes the temporary folder and re-raises; ``target`` is then
-    as it was."""
-    target = os.path.abspath(target)
-    if not os.path.isdir(target) or not os.listdir(target):
-        tmp = os.path.join(os.path.dirname(target), "." + os.path.basename(target) + SAVE_TMP_SUFFIX)
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            os.makedirs(tmp)
-            write(tmp)
-            _fsync_tree(tmp)
-            os.replace(tmp, target)  # an empty folder is replaced too
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return
-    tmp = os.path.join(target, SAVE_TMP_NAME)
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        os.makedirs(tmp)
-        write(tmp)
-        _fsync_tree(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    names = sorted(os.listdir(tmp), key=lambda n: n in last)
-    for name in last:
-        if name in names and os.path.isfile(os.path.join(target, name)):
-            os.remove(os.path.join(target, name))
-    old = os.path.join(tmp, ".old")
-    for name in names:
-        src, dst = os.path.join(tmp, name), os.path.join(target, name)
-        if os.path.isdir(dst) and not os.path.islink(dst):
-            os.makedirs(old, exist_ok=True)
-            os.replace(dst, os.path.join(old, name))
-        os.replace(src, dst)
-    shutil.rmtree(tmp, ignore_errors=True)
-
-
 # ------------------------------------------------------------------------------------------------ save / load
-def follow_umask(path: str) -> None:
-    """Give ``path`` the mode a file the user creates gets (0666 minus the umask). safetensors writes its files
-    0600, unlike every other file of a checkpoint or a saved model."""
-    if os.path.isfile(path):
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(path, 0o666 & ~mask)
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _write_json(path: str, obj) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1)
-
-
-def _read_json(path: str):
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"checkpoint file {path} cannot be read: {e}") from None
-
-
 def write_lora(trainer, output_dir: str, sd: dict | None = None) -> None:
     """The current (not EMA) LoRA weights as ``pytorch_lora_weights.safetensors`` via the pipeline's
     ``save_lora_weights``, with the adapter metadata (so ``lora_alpha != r`` round-trips). ``sd``: the full
-    adapter weights (:func:`~trl_flow.trainers.distributed.lora_state_dict`, gathered by every process when sharded)."""
-    from .distributed import lora_state_dict
-
+    adapter weights (:func:`~trl_flow.engine.distributed.lora_state_dict`, gathered by every process when sharded)."""
     model = trainer.accelerator.unwrap_model(trainer.model)
-    sd = lora_state_dict(trainer) if sd is None else sd
+    sd = distributed.lora_state_dict(trainer) if sd is None else sd
     trainer.adapter.save_lora_weights(output_dir, sd, model.peft_config["default"].to_dict())
 
 
@@ -447,6 +308,25 @@ def read_lora(trainer, input_dir: str) -> None:
                          "(saved with other lora_target_modules?)")
 
 
+def lora_state_hooks(trainer):
+    """accelerate's save-state / load-state pre-hooks of a LoRA run (for :func:`distributed.prepare`): a checkpoint
+    holds the adapter in diffusers format, not the frozen base weights."""
+
+    def save(models, weights, output_dir):
+        sd = distributed.lora_state_dict(trainer)  # every process: gathering sharded weights is a collective
+        if trainer.accelerator.is_main_process:
+            write_lora(trainer, output_dir, sd)
+        weights.clear()  # DDP / 1 process: only the adapter is saved, not the frozen base weights
+
+    def load(models, input_dir):
+        if distributed.is_fsdp(trainer.accelerator):
+            return  # accelerate loads the sharded model itself (FSDP: `models` is empty)
+        models.pop()
+        read_lora(trainer, input_dir)
+
+    return save, load
+
+
 def _ema_save(ema, params_named: list[str], path: str, shadow: list) -> None:
     """``shadow``: the EMA weights as full tensors (gathered by every process when sharded)."""
     from safetensors.torch import save_file
@@ -456,25 +336,23 @@ def _ema_save(ema, params_named: list[str], path: str, shadow: list) -> None:
     save_file({n: p for n, p in zip(params_named, shadow)},
               os.path.join(path, EMA_WEIGHTS_NAME))
     follow_umask(os.path.join(path, EMA_WEIGHTS_NAME))
-    _write_json(os.path.join(path, EMA_STATE_NAME), sd)
+    write_json(os.path.join(path, EMA_STATE_NAME), sd)
 
 
 def _ema_load(ema, params_named: list[str], path: str, decay: float) -> None:
     from safetensors.torch import load_file
 
-    sd = _read_json(os.path.join(path, EMA_STATE_NAME))
+    sd = read_json(os.path.join(path, EMA_STATE_NAME))
     tensors = load_file(os.path.join(path, EMA_WEIGHTS_NAME))
     missing = [n for n in params_named if n not in tensors]
     if missing:
         raise ValueError(f"checkpoint {path}: {EMA_WEIGHTS_NAME} lacks {missing[:3]}")
-    from .distributed import like
-
-    sd["shadow_params"] = [like(tensors[n], p) for n, p in zip(params_named, ema.shadow_params)]  # sharded like the weights
+    sd["shadow_params"] = [distributed.like(tensors[n], p) for n, p in zip(params_named, ema.shadow_params)]  # sharded like the weights
     ema.load_state_dict(sd)
     ema.decay = decay  # the current config's decay (a change is reported by compare_configs)
 
 
-def _trainable_names(trainer) -> list[str]:
+def trainable_names(trainer) -> list[str]:
     return [n for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters() if p.requires_grad]
 
 
@@ -500,7 +378,7 @@ def save_checkpoint(trainer) -> str:
             os.makedirs(tmp)
         except OSError as e:
             error = describe_write_error(tmp, e)
-    error = agree(acc, error)
+    error = distributed.agree(acc, error)
     if error is None:
         try:  # model (LoRA via the pre-hook), optimizer, RNG states, grad scaler; FSDP: sharded by accelerate
             acc.save_state(tmp)
@@ -513,7 +391,7 @@ def save_checkpoint(trainer) -> str:
                 _write_own_files(trainer, tmp, ema_full)
             except (OSError, RuntimeError) as e:
                 error = describe_write_error(tmp, e)
-        error = agree(acc, error)
+        error = distributed.agree(acc, error)
     if error is not None:
         if acc.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)  # frees the space the partial save took
@@ -538,11 +416,11 @@ def _write_own_files(trainer, tmp: str, ema_full) -> None:
     """The main process's part of a checkpoint: scheduler, state, config, EMA, the method's extra state, then the
     completion marker with every file's size and sha256 (all fsynced)."""
     cfg, acc, state = trainer.config, trainer.accelerator, trainer.state
-    _write_json(os.path.join(tmp, SCHEDULER_NAME), trainer.lr_scheduler.state_dict())
-    _write_json(os.path.join(tmp, STATE_NAME), state.state_dict())
-    _write_json(os.path.join(tmp, CONFIG_NAME), flat_config(cfg))
+    write_json(os.path.join(tmp, SCHEDULER_NAME), trainer.lr_scheduler.state_dict())
+    write_json(os.path.join(tmp, STATE_NAME), state.state_dict())
+    write_json(os.path.join(tmp, CONFIG_NAME), flat_config(cfg))
     if trainer.ema is not None:
-        _ema_save(trainer.ema, _trainable_names(trainer), tmp, ema_full)
+        _ema_save(trainer.ema, trainable_names(trainer), tmp, ema_full)
     trainer.save_extra_state(tmp)
     files = {}
     for root, _, names in os.walk(tmp):
@@ -550,7 +428,7 @@ def _write_own_files(trainer, tmp: str, ema_full) -> None:
             p = os.path.join(root, name)
             with open(p, "rb+") as f:
                 os.fsync(f.fileno())
-            files[os.path.relpath(p, tmp)] = {"size": os.path.getsize(p), "sha256": _sha256(p)}
+            files[os.path.relpath(p, tmp)] = {"size": os.path.getsize(p), "sha256": sha256(p)}
     marker = {"format": _FORMAT, "version": 1, "run_id": state.run_id, "step": state.global_step,
               "method": trainer._method_name, "trainer_class": type(trainer).__name__, "time": time.time(),
               "num_processes": acc.num_processes, "distributed_type": acc.distributed_type.value, "files": files}
@@ -569,19 +447,19 @@ def load_checkpoint(trainer, resume) -> CheckpointInfo:
     if info.method != trainer._method_name:
         raise ValueError(f"resume_from_checkpoint: {info.path} was written by method {info.method!r}, this trainer "
                          f"is {trainer._method_name!r}; resume it with the same trainer class")
-    saved_cfg = _read_json(os.path.join(info.path, CONFIG_NAME))
+    saved_cfg = read_json(os.path.join(info.path, CONFIG_NAME))
     trainer.check_saved_config(saved_cfg, os.path.join(info.path, CONFIG_NAME))
     notices = compare_configs(saved_cfg, flat_config(cfg))
-    distributed.check_resume(trainer, info.path, _read_json(os.path.join(info.path, COMPLETE_NAME)).get("num_processes"))
+    distributed.check_resume(trainer, info.path, read_json(os.path.join(info.path, COMPLETE_NAME)).get("num_processes"))
     try:
         acc.load_state(info.path)
     except Exception as e:
         raise ValueError(f"checkpoint {info.path}: accelerate could not load it: {type(e).__name__}: {e}") from e
-    trainer.lr_scheduler.load_state_dict(_read_json(os.path.join(info.path, SCHEDULER_NAME)))
-    trainer.state.load_state_dict(_read_json(os.path.join(info.path, STATE_NAME)))
+    trainer.lr_scheduler.load_state_dict(read_json(os.path.join(info.path, SCHEDULER_NAME)))
+    trainer.state.load_state_dict(read_json(os.path.join(info.path, STATE_NAME)))
     if trainer.ema is not None:
         if os.path.exists(os.path.join(info.path, EMA_WEIGHTS_NAME)):
-            _ema_load(trainer.ema, _trainable_names(trainer), info.path, cfg.ema_decay)
+            _ema_load(trainer.ema, trainable_names(trainer), info.path, cfg.ema_decay)
         else:
             notices.append("ema_decay > 0 but the checkpoint has no EMA: the EMA starts from the current weights")
             trainer.ema.shadow_params = [p.detach().clone() for p in trainer.trainable_params]

@@ -14,6 +14,8 @@ import math
 
 import torch
 
+from ..video import grid, to_pil  # noqa: F401  (grid: re-exported for the trainers)
+
 MAX_LOGGED_IMAGES = 16
 
 
@@ -48,7 +50,7 @@ def log_images(accelerator, split: str, images: torch.Tensor, prompts: list[str]
         elif tracker.name == "wandb":
             import wandb
 
-            pil = _to_pil(images)
+            pil = to_pil(images)
             tracker.log({f"images/{split}": [wandb.Image(p, caption=t) for p, t in zip(pil, texts)]}, step=step)
 
 
@@ -95,22 +97,3 @@ def log_eval(trainer, images, prompts, rewards, per_func, all_rewards, all_per_f
         return
     log_histograms(trainer.accelerator, "eval", all_rewards, all_per_func, step)
     log_images(trainer.accelerator, "eval", images, prompts, rewards, per_func, step)
-
-
-def _to_pil(images: torch.Tensor):
-    from diffusers.image_processor import VaeImageProcessor
-
-    # images are already in [0, 1] (the trainer's decode denormalises), so no `postprocess` denormalisation
-    return VaeImageProcessor.numpy_to_pil(VaeImageProcessor.pt_to_numpy(images))
-
-
-def grid(images: torch.Tensor, cols: int = 8):
-    """A PIL grid of images (B, 3, H, W) in [0, 1], ``cols`` wide, the last row padded with black."""
-    from diffusers.utils import make_image_grid
-    from PIL import Image
-
-    pil = _to_pil(images.detach().float().clamp(0, 1).cpu())
-    cols = min(cols, len(pil))
-    rows = math.ceil(len(pil) / cols)
-    pil += [Image.new("RGB", pil[0].size)] * (rows * cols - len(pil))
-    return make_image_grid(pil, rows=rows, cols=cols)

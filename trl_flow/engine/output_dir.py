@@ -22,7 +22,8 @@ import socket
 import time
 import warnings
 
-from . import checkpoints
+from .. import storage
+from . import checkpoints, distributed
 
 LOG_NAME = "log_history.jsonl"
 SAMPLES_DIR = "samples"
@@ -60,10 +61,10 @@ def earlier_outputs(output_dir: str, run_id: str) -> list[str]:
     complete, incomplete = checkpoints.find_checkpoints(output_dir)
     found = [os.path.basename(c.path) for c in complete if c.run_id != run_id]
     found += [os.path.basename(p) for p in incomplete if not p.endswith(checkpoints.TMP_SUFFIX)]
-    for name in (checkpoints.LORA_WEIGHT_NAME, PIPELINE_INDEX):
+    for name in (storage.LORA_WEIGHT_NAME, PIPELINE_INDEX):
         if os.path.isfile(os.path.join(output_dir, name)):
             found.append(name)
-    lora_stem = checkpoints.LORA_WEIGHT_NAME.rsplit(".", 1)[0]  # a family's further LoRA files (Wan2.2's second expert)
+    lora_stem = storage.LORA_WEIGHT_NAME.rsplit(".", 1)[0]  # a family's further LoRA files (Wan2.2's second expert)
     found += sorted(n for n in os.listdir(output_dir) if n.startswith(lora_stem + "_") and n.endswith(".safetensors")
                     and os.path.isfile(os.path.join(output_dir, n)))
     log = os.path.join(output_dir, LOG_NAME)
@@ -191,7 +192,7 @@ def run_lock(trainer):
             fd = acquire_lock(cfg.output_dir)
         except RuntimeError as e:
             error = str(e)
-    error = checkpoints.agree(acc, error)
+    error = distributed.agree(acc, error)
     if error:
         release_lock(fd)
         raise RuntimeError(error)
@@ -203,8 +204,8 @@ def run_lock(trainer):
 
 def prepare(trainer, resume) -> None:
     """At the start of ``train()``: resume (``resume`` = True / a folder, see
-    :func:`~trl_flow.trainers.checkpoints.normalize_resume`; later checkpoints of the resumed run are moved aside
-    by :func:`~trl_flow.trainers.checkpoints.set_aside_later`), or check that ``output_dir`` holds no earlier run's
+    :func:`~trl_flow.engine.checkpoints.normalize_resume`; later checkpoints of the resumed run are moved aside
+    by :func:`~trl_flow.engine.checkpoints.set_aside_later`), or check that ``output_dir`` holds no earlier run's
     outputs (removing them with ``overwrite_output_dir=True``); then clean interrupted saves and rewrite the log.
     ``train()`` has checked ``output_dir`` with :func:`check_writable` and taken its lock (:func:`run_lock`)."""
     cfg, acc = trainer.config, trainer.accelerator

@@ -219,12 +219,12 @@ def check_trainer(trainer) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ wrapping
-def prepare(trainer, transformer, optimizer):
+def prepare(trainer, transformer, optimizer, save_hook=None, load_hook=None):
     """``accelerator.prepare`` the trained transformer and its optimizer; returns (model, optimizer).
 
     Rebuilds ``trainer.trainable_params`` from the prepared model (FSDP2 replaces every parameter by a DTensor
     one), shards the frozen reference copy (``finetune="full"``, ``beta > 0``) like the model, and registers the
-    checkpoint hooks of the LoRA file."""
+    caller's save-state / load-state pre-hooks (the checkpoints' LoRA file, for a LoRA run)."""
     acc = trainer.accelerator
     model, optimizer = acc.prepare(transformer, optimizer)
     trainer.trainable_params = [p for p in model.parameters() if p.requires_grad]
@@ -235,9 +235,10 @@ def prepare(trainer, transformer, optimizer):
         # Forward passes only: reshard the root's parameters after each too (accelerate keeps the trained root's
         # gathered until its backward pass, which the reference never has).
         trainer.ref_model.set_reshard_after_forward(True)
-    if trainer.config.finetune == "lora":
-        acc.register_save_state_pre_hook(lambda models, weights, out: _save_lora_hook(trainer, weights, out))
-        acc.register_load_state_pre_hook(lambda models, inp: _load_lora_hook(trainer, models, inp))
+    if save_hook is not None:
+        acc.register_save_state_pre_hook(save_hook)
+    if load_hook is not None:
+        acc.register_load_state_pre_hook(load_hook)
     return model, optimizer
 
 
@@ -271,25 +272,7 @@ def lora_state_dict(trainer) -> dict:
     return full_tensors(get_peft_model_state_dict(trainer.accelerator.unwrap_model(trainer.model)))
 
 
-def _save_lora_hook(trainer, weights, output_dir):
-    from . import checkpoints
-
-    sd = lora_state_dict(trainer)  # every process: gathering sharded weights is a collective
-    if trainer.accelerator.is_main_process:
-        checkpoints.write_lora(trainer, output_dir, sd)
-    weights.clear()  # DDP / 1 process: only the adapter is saved, not the frozen base weights
-
-
-def _load_lora_hook(trainer, models, input_dir):
-    from . import checkpoints
-
-    if is_fsdp(trainer.accelerator):
-        return  # accelerate loads the sharded model itself (FSDP: `models` is empty)
-    models.pop()
-    checkpoints.read_lora(trainer, input_dir)
-
-
-# ------------------------------------------------------------------------------------------- checkpoints
+# ------------------------------------------------------------------------------------------ resume, end
 FSDP_MODEL_PREFIX = "pytorch_model_fsdp"
 
 
@@ -326,49 +309,10 @@ def end_processes() -> None:
         state.destroy_process_group()
 
 
-# ------------------------------------------------------------------------------------------------ export
-def save_model(trainer, output_dir: str) -> str:
-    """See :meth:`FlowRLTrainer.save_model`; under FSDP every process gathers, the main one writes.
+def agree(accelerator, error: str | None) -> str | None:
+    """The first error message any process has (every process calls this; with one process a no-op)."""
+    if accelerator.num_processes == 1:
+        return error
+    from accelerate.utils import gather_object
 
-    The main process writes atomically (:func:`~trl_flow.trainers.checkpoints.write_atomically`): a failure or an
-    interrupt leaves ``output_dir`` as it was. A failed write raises
-    :class:`~trl_flow.trainers.checkpoints.SaveError` on every process, naming the folder and the disk."""
-    from .checkpoints import SaveError, agree, describe_write_error, write_atomically
-
-    acc = trainer.accelerator
-    acc.wait_for_everyone()
-    model = acc.unwrap_model(trainer.model)
-    error = cause = None
-    with trainer.ema_weights():
-        if trainer.config.finetune == "lora":
-            sd = lora_state_dict(trainer)
-            meta = model.peft_config["default"].to_dict()
-            write = lambda folder: trainer.adapter.save_lora_weights(folder, sd, meta)  # noqa: E731
-        elif is_fsdp(acc):
-            sd = acc.get_state_dict(trainer.model)  # full weights on the main process (a collective)
-            write = lambda folder: _save_pipeline_with(trainer.pipe, model, sd, folder)  # noqa: E731
-        else:
-            write = trainer.pipe.save_pretrained
-        if acc.is_main_process:
-            try:
-                write_atomically(output_dir, write)
-            except Exception as e:  # OSError, torch's RuntimeError, safetensors' own error type
-                error, cause = describe_write_error(output_dir, e), e
-    error = agree(acc, error)
-    if error is not None:
-        raise SaveError(f"save_model: writing the model into {output_dir} failed: {error}; nothing of this save was "
-                        f"kept ({output_dir} holds what it held before)") from cause
-    acc.wait_for_everyone()
-    return output_dir
-
-
-def _save_pipeline_with(pipe, sharded, state_dict: dict, output_dir: str) -> None:
-    """``pipe.save_pretrained`` with the transformer rebuilt unsharded from ``state_dict`` (full weights)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    cls = next(c for c in type(sharded).__mro__ if not issubclass(c, FSDPModule))  # FSDP2 subclasses the model
-    plain = cls.from_config(sharded.config)
-    plain.load_state_dict(state_dict, strict=True)
-    components = {**pipe.components, "transformer": plain}
-    os.makedirs(output_dir, exist_ok=True)
-    type(pipe)(**components).save_pretrained(output_dir)
+    return next((e for e in gather_object([error]) if e), None)

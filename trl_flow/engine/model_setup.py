@@ -14,7 +14,7 @@ import math
 import torch
 
 from .. import memory
-from . import distributed, guards
+from . import checkpoints, distributed, guards
 
 
 def check_no_adapters(trainer) -> None:
@@ -86,7 +86,8 @@ def setup_model(trainer) -> None:
         num_training_steps=cfg.max_steps * trainer.optimizer_steps_per_iteration,
     )
     # The LR scheduler is not prepared (accelerate would step it once per process); checkpoints.py saves it.
-    trainer.model, trainer.optimizer = distributed.prepare(trainer, transformer, optimizer)  # also the LoRA file hooks
+    hooks = checkpoints.lora_state_hooks(trainer) if cfg.finetune == "lora" else (None, None)
+    trainer.model, trainer.optimizer = distributed.prepare(trainer, transformer, optimizer, *hooks)
     trainer.ema = None
     if cfg.ema_decay > 0:
         from diffusers.training_utils import EMAModel
