@@ -3,7 +3,7 @@ from setuptools import find_packages, setup
 setup(
     name="trl_flow",
     version="0.1.0.dev0",
-    description="Reinforcement-learning post-training (Flow-GRPO, OP-GRPO, Stepwise-Flow-GRPO, Flow-DPPO) "
+    description="Reinforcement-learning post-training (Flow-GRPO and the methods built on it, DiffusionNFT) "
     "for flow-matching text-to-image and text-to-video diffusers pipelines.",
     long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",

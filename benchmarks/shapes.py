@@ -189,90 +189,90 @@ BASE = dict(
     batch_layout="by_prompt",
 )
 
-# name -> (config class, trainer class, overrides)
+# label -> (registered trainer name, trl_flow.registered_trainers(); overrides of its config)
 METHODS = {
-    "flow_grpo": ("FlowGRPOConfig", "FlowGRPOTrainer", {}),
+    "flow_grpo": ("grpo", {}),
     # OP-GRPO in the described form (issue 38, OPGRPOConfig's defaults): 25% of the SAMPLES replayed, in groups of at
     # most G // 2 buffered + fresh trajectories; only the late tail regenerated (truncation_fraction 0.1: k_off = 8 of
     # 10, the last of the 9 trained steps). Its ablations: correction (per-step ratio, none), truncation, share.
-    "op_grpo": ("OPGRPOConfig", "OPGRPOTrainer", {}),
-    "op_grpo_per_step": ("OPGRPOConfig", "OPGRPOTrainer", {"off_policy_correction": "per_step"}),
-    "op_grpo_no_correction": ("OPGRPOConfig", "OPGRPOTrainer", {"off_policy_correction": "none"}),
-    "op_grpo_no_truncation": ("OPGRPOConfig", "OPGRPOTrainer", {"truncation_fraction": 0.0}),
-    "op_grpo_share_12": ("OPGRPOConfig", "OPGRPOTrainer", {"off_policy_fraction": 0.125}),
-    "op_grpo_share_50": ("OPGRPOConfig", "OPGRPOTrainer", {"off_policy_fraction": 0.5}),
+    "op_grpo": ("op-grpo", {}),
+    "op_grpo_per_step": ("op-grpo", {"off_policy_correction": "per_step"}),
+    "op_grpo_no_correction": ("op-grpo", {"off_policy_correction": "none"}),
+    "op_grpo_no_truncation": ("op-grpo", {"truncation_fraction": 0.0}),
+    "op_grpo_share_12": ("op-grpo", {"off_policy_fraction": 0.125}),
+    "op_grpo_share_50": ("op-grpo", {"off_policy_fraction": 0.5}),
     # groups of G = 4 (32 samples an iteration on tier 2): the described form at G = 4 (8 of 32 samples replayed, in 4
     # groups of 2 buffered + 2 fresh); Flow-GRPO at G = 4 is its reference
-    "flow_grpo_g4": ("FlowGRPOConfig", "FlowGRPOTrainer", {"num_generations": 4}),
-    "op_grpo_g4": ("OPGRPOConfig", "OPGRPOTrainer", {"num_generations": 4}),
+    "flow_grpo_g4": ("grpo", {"num_generations": 4}),
+    "op_grpo_g4": ("op-grpo", {"num_generations": 4}),
     # OP-GRPO as it was before issue 38 (the committed results up to then): off_policy_fraction the share of GROUPS
     # replaying one buffered trajectory each, truncation at K // 2 = 5 (sigma 0.71, not late). The committed labels
     # map as: op_grpo -> op_grpo_legacy, op_grpo_per_step -> op_grpo_legacy_per_step, op_grpo_no_correction ->
     # op_grpo_legacy_no_correction, op_grpo_no_truncation -> op_grpo_legacy_no_truncation, op_grpo_share_100 ->
     # op_grpo_legacy_share_100, op_grpo_g4_share_100* -> op_grpo_legacy_g4_share_100* (each with the same @lr; a
     # label without @lr on tier 2 ran at SWEPT_LR's op_grpo rate, 1e-3). Every run's config is in its results.json.
-    "op_grpo_legacy": ("OPGRPOConfig", "OPGRPOTrainer", {"replay_unit": "group", "truncation_step": 5}),
-    "op_grpo_legacy_per_step": ("OPGRPOConfig", "OPGRPOTrainer",
+    "op_grpo_legacy": ("op-grpo", {"replay_unit": "group", "truncation_step": 5}),
+    "op_grpo_legacy_per_step": ("op-grpo",
                                 {"replay_unit": "group", "truncation_step": 5, "off_policy_correction": "per_step"}),
-    "op_grpo_legacy_no_correction": ("OPGRPOConfig", "OPGRPOTrainer",
+    "op_grpo_legacy_no_correction": ("op-grpo",
                                      {"replay_unit": "group", "truncation_step": 5, "off_policy_correction": "none"}),
-    "op_grpo_legacy_no_truncation": ("OPGRPOConfig", "OPGRPOTrainer", {"replay_unit": "group", "truncation_step": 10}),
+    "op_grpo_legacy_no_truncation": ("op-grpo", {"replay_unit": "group", "truncation_step": 10}),
     # every group replays one buffered trajectory: the largest replayed-sample share the old design allowed (1 / G)
-    "op_grpo_legacy_share_100": ("OPGRPOConfig", "OPGRPOTrainer",
+    "op_grpo_legacy_share_100": ("op-grpo",
                                  {"replay_unit": "group", "truncation_step": 5, "off_policy_fraction": 1.0}),
     # G = 4 with every group replaying its buffered trajectory: 25% of the samples, with the half-way truncation
-    "op_grpo_legacy_g4_share_100": ("OPGRPOConfig", "OPGRPOTrainer", {"replay_unit": "group", "truncation_step": 5,
+    "op_grpo_legacy_g4_share_100": ("op-grpo", {"replay_unit": "group", "truncation_step": 5,
                                                                       "num_generations": 4, "off_policy_fraction": 1.0}),
     # two ablations of it testing the replay diagnostic (op_replay_advantages.py): the whole buffered trajectory
     # reused (truncation off), and the replayed sample kept out of its group's mean and std
-    "op_grpo_legacy_g4_share_100_no_truncation": ("OPGRPOConfig", "OPGRPOTrainer",
+    "op_grpo_legacy_g4_share_100_no_truncation": ("op-grpo",
                                                   {"replay_unit": "group", "num_generations": 4,
                                                    "off_policy_fraction": 1.0, "truncation_step": 10}),
-    "op_grpo_legacy_g4_share_100_fresh_baseline": ("OPGRPOConfig", "OPGRPOTrainer",
+    "op_grpo_legacy_g4_share_100_fresh_baseline": ("op-grpo",
                                                    {"replay_unit": "group", "truncation_step": 5, "num_generations": 4,
                                                     "off_policy_fraction": 1.0, "replay_baseline": "fresh"}),
     # parity ablations of Flow-GRPO (the other two parity defaults held fixed)
-    "flow_grpo_exact_kl": ("FlowGRPOConfig", "FlowGRPOTrainer", {"beta": 0.04, "kl_form": "exact"}),
-    "flow_grpo_reference_kl": ("FlowGRPOConfig", "FlowGRPOTrainer", {"beta": 0.04, "kl_form": "reference"}),
-    "flow_grpo_cfg_both": ("FlowGRPOConfig", "FlowGRPOTrainer", {"guidance_grad": "both"}),
-    "flow_grpo_group_std": ("FlowGRPOConfig", "FlowGRPOTrainer", {"scale_rewards": "group"}),
+    "flow_grpo_exact_kl": ("grpo", {"beta": 0.04, "kl_form": "exact"}),
+    "flow_grpo_reference_kl": ("grpo", {"beta": 0.04, "kl_form": "reference"}),
+    "flow_grpo_cfg_both": ("grpo", {"guidance_grad": "both"}),
+    "flow_grpo_group_std": ("grpo", {"scale_rewards": "group"}),
     # Flow-DPPO (KL-mask trust region, the released code's delta 1e-5) and its controls; beta stays BASE's 0 for all.
-    "flow_dppo": ("FlowDPPOConfig", "FlowDPPOTrainer", {"num_inner_epochs": 2}),
-    "flow_dppo_paper_delta": ("FlowDPPOConfig", "FlowDPPOTrainer", {"num_inner_epochs": 2, "kl_mask_delta": 1e-7}),
-    "flow_dppo_1epoch": ("FlowDPPOConfig", "FlowDPPOTrainer", {"num_inner_epochs": 1}),
-    "flow_grpo_2epochs": ("FlowGRPOConfig", "FlowGRPOTrainer", {"num_inner_epochs": 2}),
-    "flow_dppo_symmetric": ("FlowDPPOConfig", "FlowDPPOTrainer", {"num_inner_epochs": 2, "kl_mask_mode": "symmetric"}),
-    "op_grpo_kl_mask": ("OPGRPOConfig", "OPGRPOTrainer", {"trust_region": "kl_mask"}),
+    "flow_dppo": ("dppo", {"num_inner_epochs": 2}),
+    "flow_dppo_paper_delta": ("dppo", {"num_inner_epochs": 2, "kl_mask_delta": 1e-7}),
+    "flow_dppo_1epoch": ("dppo", {"num_inner_epochs": 1}),
+    "flow_grpo_2epochs": ("grpo", {"num_inner_epochs": 2}),
+    "flow_dppo_symmetric": ("dppo", {"num_inner_epochs": 2, "kl_mask_mode": "symmetric"}),
+    "op_grpo_kl_mask": ("op-grpo", {"trust_region": "kl_mask"}),
     # Stepwise-Flow-GRPO: its own defaults (flow_sde since issue 16's measurement, shared noise per group, joint
     # normalisation) at the paper's T' = 5 (the default until issue 37's measurement, now 2: `stepwise_t2`), so the
     # committed `stepwise@...` runs keep their meaning
-    "stepwise": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {"num_substeps": 5}),
-    "stepwise_per_step": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer",
+    "stepwise": ("stepwise", {"num_substeps": 5}),
+    "stepwise_per_step": ("stepwise",
                           {"gain_normalization": "per_step", "num_substeps": 5}),
-    "stepwise_t1": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {"num_substeps": 1}),
+    "stepwise_t1": ("stepwise", {"num_substeps": 1}),
     # the paper's cheaper estimates (it reports its results robust to T' in {2, 5, 8})
-    "stepwise_t2": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {"num_substeps": 2}),
-    "stepwise_t3": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {"num_substeps": 3}),
+    "stepwise_t2": ("stepwise", {"num_substeps": 2}),
+    "stepwise_t3": ("stepwise", {"num_substeps": 3}),
     # the paper's ddim kernel (the default until issue 16's measurement): its early stds are tiny, so its clip binds
     # sooner; with eta 1 and with a 5x wider clip
-    "stepwise_ddim": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {"sampler": "ddim", "num_substeps": 5}),
-    "stepwise_ddim_eta1": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer",
+    "stepwise_ddim": ("stepwise", {"sampler": "ddim", "num_substeps": 5}),
+    "stepwise_ddim_eta1": ("stepwise",
                            {"sampler": "ddim", "noise_level": 1.0, "num_substeps": 5}),
-    "stepwise_ddim_clip5e-3": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer",
+    "stepwise_ddim_clip5e-3": ("stepwise",
                                {"sampler": "ddim", "clip_range": 5e-3, "num_substeps": 5}),
-    "op_grpo_unclipped_term": ("OPGRPOConfig", "OPGRPOTrainer", {"importance_weight_placement": "unclipped_term"}),
+    "op_grpo_unclipped_term": ("op-grpo", {"importance_weight_placement": "unclipped_term"}),
     # DiffusionNFT (issue 41): its own defaults (deterministic `ode` rollout from the old policy, nft_beta 1, decay_type
     # 1, 9 of 10 timesteps), CFG-free in rollout, update and evaluation; each sample its own noise (with a
     # deterministic sampler shared noise would make a group one image). BASE's beta 0 replaces the reference's 1e-4
     # KL weight, as for every method. `_cfg`: the same at BASE's guidance 3.0 (rollout, update and evaluation).
-    "diffusion_nft": ("DiffusionNFTConfig", "DiffusionNFTTrainer", {"guidance_scale": 1.0, "same_noise_per_group": False}),
-    "diffusion_nft_cfg": ("DiffusionNFTConfig", "DiffusionNFTTrainer", {"same_noise_per_group": False}),
+    "diffusion_nft": ("nft", {"guidance_scale": 1.0, "same_noise_per_group": False}),
+    "diffusion_nft_cfg": ("nft", {"same_noise_per_group": False}),
 }
 # Mixed-prompt update batches (the trainers' default `batch_layout`, as the released code shuffles before the
 # update) against the by-prompt layout of the committed runs: the same method with only the layout changed.
 for _name in ("flow_grpo", "flow_dppo_1epoch", "diffusion_nft_cfg"):
-    _cfg, _cls, _over = METHODS[_name]
-    METHODS[f"{_name}_mixed"] = (_cfg, _cls, {**_over, "batch_layout": "mixed"})
+    _trainer, _over = METHODS[_name]
+    METHODS[f"{_name}_mixed"] = (_trainer, {**_over, "batch_layout": "mixed"})
 DEFAULT_METHODS = ["flow_grpo", "op_grpo"]
 
 
@@ -392,8 +392,9 @@ def run_config(label: str, seed: int, tier_id: int, steps: int, out: str):
 
     tier = TIERS[tier_id]
     method, lr = parse_label(label)
-    cfg_name, tr_name, overrides = METHODS[method]
-    cfg_cls, tr_cls = getattr(trl_flow, cfg_name), getattr(trl_flow, tr_name)
+    trainer_name, overrides = METHODS[method]
+    tr_cls = trl_flow.get_trainer(trainer_name)
+    cfg_cls = tr_cls.config_class
     lr = lr if lr is not None else SWEPT_LR.get(tier_id, {}).get(method, BASE["learning_rate"])
     tier_config = TIER_CONFIGS.get(tier.get("config"), {})
     kwargs = {**BASE, **tier_config, **PILOT, **overrides, "learning_rate": lr, "seed": seed, "max_steps": steps,

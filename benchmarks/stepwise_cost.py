@@ -23,14 +23,14 @@ import time
 
 import torch
 
-METHODS = {  # name -> (config class, trainer class, overrides)
-    "flow_grpo": ("FlowGRPOConfig", "FlowGRPOTrainer", {}),
-    "flow_grpo_ddim": ("FlowGRPOConfig", "FlowGRPOTrainer", {"sampler": "ddim"}),
-    "stepwise_t5": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {"num_substeps": 5}),
-    "stepwise_t3": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {"num_substeps": 3}),
-    "stepwise_t2": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {"num_substeps": 2}),
-    "stepwise_t1": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {"num_substeps": 1}),
-    "stepwise_t5_ddim": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer", {"num_substeps": 5, "sampler": "ddim"}),
+METHODS = {  # name -> (registered trainer name, overrides)
+    "flow_grpo": ("grpo", {}),
+    "flow_grpo_ddim": ("grpo", {"sampler": "ddim"}),
+    "stepwise_t5": ("stepwise", {"num_substeps": 5}),
+    "stepwise_t3": ("stepwise", {"num_substeps": 3}),
+    "stepwise_t2": ("stepwise", {"num_substeps": 2}),
+    "stepwise_t1": ("stepwise", {"num_substeps": 1}),
+    "stepwise_t5_ddim": ("stepwise", {"num_substeps": 5, "sampler": "ddim"}),
 }
 
 
@@ -67,11 +67,12 @@ def main(argv=None):
                   learning_rate=1e-4, clip_range=1e-2, disable_tqdm=True)
     trainers, counters, kernels = {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, (cfg_name, tr_name, overrides) in METHODS.items():
-            cfg = getattr(trl_flow, cfg_name)(output_dir=os.path.join(tmp, name), **shared, **overrides)
+        for name, (trainer_name, overrides) in METHODS.items():
+            tr_cls = trl_flow.get_trainer(trainer_name)
+            cfg = tr_cls.config_class(output_dir=os.path.join(tmp, name), **shared, **overrides)
             kernels[name] = {"sampler": cfg.sampler, "num_substeps": getattr(cfg, "num_substeps", None)}
             pipe = load()
-            trainers[name] = getattr(trl_flow, tr_name)(cfg, pipe, [brightness], train_dataset=prompts)
+            trainers[name] = tr_cls(cfg, pipe, [brightness], train_dataset=prompts)
             counters[name] = {"calls": 0, "rows": 0}
 
             def hook(module, inputs, kwargs, output, c=counters[name]):

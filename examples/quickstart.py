@@ -32,6 +32,7 @@ order (about 2e-6 in the LoRA after 2 iterations), which grows over the run. Re-
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -41,14 +42,17 @@ import datasets
 import torch
 
 import trl_flow
+import trl_flow.cli
 from trl_flow.rewards import get_reward
 from trl_flow.tasks import shapes
 
-METHODS = {  # name -> (config, trainer, settings that differ from the shared ones below)
-    "dppo": ("FlowDPPOConfig", "FlowDPPOTrainer", dict(learning_rate=1e-3, num_inner_epochs=2)),
-    "flow_grpo": ("FlowGRPOConfig", "FlowGRPOTrainer", dict(learning_rate=1e-3)),
-    "op_grpo": ("OPGRPOConfig", "OPGRPOTrainer", dict(learning_rate=1e-3)),
-}
+#: Settings of every method (the trainers read those of their config's fields): the quickstart's measured setting
+#: (Flow-DPPO, lr 1e-3, 2 inner epochs; docs/benchmarks.md, "The quickstart over seeds").
+SETTINGS = dict(
+    overwrite_output_dir=True, height=32, width=32, num_inference_steps=10, num_generations=16, prompts_per_step=4,
+    per_device_train_batch_size=32, learning_rate=1e-3, num_inner_epochs=2, clip_range=1e-3, beta=0.0,
+    same_noise_per_group=True, lora_r=16, lora_alpha=32, per_device_eval_batch_size=200,
+)
 # position prompts of the RL-train split, one per relation, two colours each (the relation is what the noisy
 # captions got wrong); held out: position prompts of the val split (same grammar, never trained on)
 TRAIN_PROMPTS = ["a red circle to the left of a blue triangle", "a red square above a blue circle",
@@ -58,7 +62,8 @@ HELD_OUT_PROMPTS = 8
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--method", choices=list(METHODS), default="dppo")
+    ap.add_argument("--method", choices=trl_flow.cli.commands(), default="dppo",
+                    help="a registered trainer (trl_flow.registered_trainers()), by name or alias")
     ap.add_argument("--steps", type=int, default=30, help="training iterations")
     ap.add_argument("--output_dir", default="out/quickstart")
     ap.add_argument("--seed", type=int, default=0)
@@ -130,19 +135,18 @@ def make_trainer(method: str, seed: int, steps: int, output_dir: str, images_per
     ``scripts/quickstart_seeds.py``; ``overrides``: config fields that replace the method's settings)."""
     torch.manual_seed(seed)
     pipe = shapes.load_base_pipeline(variant="noisy")
-    cfg_name, trainer_name, settings = METHODS[method]
-    config = getattr(trl_flow, cfg_name)(
-        output_dir=output_dir, overwrite_output_dir=True, seed=seed, max_steps=steps,
-        height=32, width=32, num_inference_steps=10, guidance_scale=shapes.DEFAULT_GUIDANCE_SCALE,
+    trainer_cls = trl_flow.get_trainer(method)
+    fields = {f.name for f in dataclasses.fields(trainer_cls.config_class)}
+    settings = {k: v for k, v in SETTINGS.items() if k in fields}  # e.g. no clip_range for DiffusionNFT
+    config = trainer_cls.config_class(
+        output_dir=output_dir, seed=seed, max_steps=steps, guidance_scale=shapes.DEFAULT_GUIDANCE_SCALE,
         max_sequence_length=shapes.MAX_SEQUENCE_LENGTH, eval_num_inference_steps=shapes.DEFAULT_NUM_INFERENCE_STEPS,
-        num_generations=16, prompts_per_step=4, per_device_train_batch_size=32, clip_range=1e-3, beta=0.0,
-        same_noise_per_group=True, lora_r=16, lora_alpha=32, per_device_eval_batch_size=200,
         **{**settings, **overrides},
     )
     train = datasets.Dataset.from_dict({"prompt": TRAIN_PROMPTS, "category": ["position"] * len(TRAIN_PROMPTS)})
     val = shapes.val_prompts().filter(lambda r: r["category"] == "position")
     test = val.select(range(min(HELD_OUT_PROMPTS, len(val))))
-    trainer = getattr(trl_flow, trainer_name)(config, pipe, [get_reward(reward)], train_dataset=train)
+    trainer = trainer_cls(config, pipe, [get_reward(reward)], train_dataset=train)
     n = images_per_prompt
     sets = {name: ([p for p in ds["prompt"] for _ in range(n)], [c for c in ds["category"] for _ in range(n)])
             for name, ds in (("trained_prompts", train), ("held_out_prompts", test))}

@@ -271,8 +271,9 @@ def test_guide_code_runs(tmp_path, monkeypatch):
     assert (tmp_path / "out" / "final" / "pytorch_lora_weights.safetensors").exists()
     import trl_flow
 
-    trainers = [n for n in trl_flow.__all__ if n.endswith("Trainer") and n != "FlowRLTrainer"]
-    assert {"FlowGRPOTrainer", "OPGRPOTrainer", "FlowDPPOTrainer", "StepwiseFlowGRPOTrainer"} <= set(trainers)
+    trainers = [c.__name__ for c in trl_flow.registered_trainers().values()]
+    assert {"FlowGRPOTrainer", "OPGRPOTrainer", "FlowDPPOTrainer", "StepwiseFlowGRPOTrainer",
+            "DiffusionNFTTrainer"} <= set(trainers)
     for name in trainers:  # every exported trainer trained (and wrote its run) in the guide's loop
         assert (tmp_path / "out" / name).is_dir(), name
 

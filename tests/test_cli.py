@@ -48,18 +48,44 @@ def test_yaml_recipe_sets_fields_and_the_command_line_overrides_it(tmp_path):
         cli.parse_args("grpo", ["--clip_range", "2"])
 
 
-def test_trainers_are_looked_up_lazily(monkeypatch):
+def test_a_registered_trainer_is_a_subcommand(monkeypatch, capsys):
     import trl_flow
+    from trl_flow.trainers import registry
 
-    monkeypatch.setitem(cli.TRAINERS, "future", ("FutureConfig", "FutureTrainer", "a later method"))
-    with pytest.raises(cli.CLIError, match="FutureTrainer is not available in this version of trl_flow"):
+    with pytest.raises(cli.CLIError, match="unknown command 'future'"):
         cli.parse_args("future", [])
-    assert cli.main(["future", "--max_steps", "1"]) == 2
-    # The moment the package exports the classes, the subcommand works.
-    monkeypatch.setattr(trl_flow, "FutureConfig", trl_flow.FlowGRPOConfig, raising=False)
-    monkeypatch.setattr(trl_flow, "FutureTrainer", trl_flow.FlowGRPOTrainer, raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["future", "--max_steps", "1"])
+    assert exit_info.value.code == 2
+    # The moment a trainer is registered under the name, the subcommand works and --help lists it.
+    monkeypatch.setattr(registry, "_TRAINERS", {**registry._TRAINERS})
+    monkeypatch.setattr(registry, "_ALIASES", {**registry._ALIASES})
+
+    class FutureTrainer(trl_flow.FlowGRPOTrainer):
+        summary = "a later method"
+
+    trl_flow.register_trainer("future", FutureTrainer, aliases=("future_method",))
     _, config, _ = cli.parse_args("future", ["--max_steps", "3"])
     assert isinstance(config, trl_flow.FlowGRPOConfig) and config.max_steps == 3
+    assert cli.trainer_classes("future_method")[1] is FutureTrainer
+    assert cli.main(["--help"]) == 0
+    assert "a later method (also: future_method)" in capsys.readouterr().out
+
+
+def test_registry_refuses_clashes_and_bad_names():
+    import trl_flow
+
+    class Other(trl_flow.FlowGRPOTrainer):
+        pass
+
+    with pytest.raises(ValueError, match="'grpo' already names FlowGRPOTrainer"):
+        trl_flow.register_trainer("grpo", Other)
+    with pytest.raises(ValueError, match="not a command-line name"):
+        trl_flow.register_trainer("My Method", Other)
+    with pytest.raises(TypeError, match="not a FlowRLTrainer subclass"):
+        trl_flow.register_trainer("thing", object)
+    assert trl_flow.registered_trainers()["grpo"] is trl_flow.FlowGRPOTrainer
+    assert "Other" not in {c.__name__ for c in trl_flow.registered_trainers().values()}
 
 
 def test_reward_server_is_dispatched_lazily(monkeypatch, capsys):

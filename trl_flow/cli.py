@@ -26,18 +26,6 @@ from dataclasses import dataclass, field
 
 DEFAULT_MODEL = "stabilityai/stable-diffusion-3.5-medium"
 
-# subcommand -> (config class, trainer class, help), looked up on `trl_flow` when the subcommand runs, so a
-# trainer of a later version gives a clear error here and one that exists just works.
-TRAINERS: dict[str, tuple[str, str, str]] = {
-    "grpo": ("FlowGRPOConfig", "FlowGRPOTrainer", "Flow-GRPO (arXiv 2505.05470)"),
-    "op-grpo": ("OPGRPOConfig", "OPGRPOTrainer", "OP-GRPO: Flow-GRPO with off-policy replay (arXiv 2604.04142)"),
-    "stepwise": ("StepwiseFlowGRPOConfig", "StepwiseFlowGRPOTrainer",
-                 "Stepwise-Flow-GRPO: per-step credit from intermediate rewards (arXiv 2603.28718)"),
-    "dppo": ("FlowDPPOConfig", "FlowDPPOTrainer", "Flow-DPPO: KL trust region instead of ratio clipping (arXiv 2606.11025)"),
-    "nft": ("DiffusionNFTConfig", "DiffusionNFTTrainer",
-            "DiffusionNFT: forward-process RL with implicit positive / negative policies, any sampler, CFG-free "
-            "(arXiv 2509.16117)"),
-}
 REWARD_SERVER = "reward-server"
 _CHILD_ENV = "TRL_FLOW_UNDER_ACCELERATE_LAUNCH"  # set for the processes that --accelerate_config starts
 
@@ -94,8 +82,9 @@ class ScriptArguments:
     def __post_init__(self):
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype={self.dtype!r}: must be auto, float32, bfloat16 or float16")
-        if self.trainer is not None and self.trainer not in TRAINERS:
-            raise ValueError(f"trainer={self.trainer!r}: must be one of {sorted(TRAINERS)}")
+        if self.trainer is not None and self.trainer not in commands():
+            raise ValueError(f"trainer={self.trainer!r}: must be one of {', '.join(commands())} (the registered "
+                             "trainers, trl_flow.registered_trainers())")
         if self.num_threads is not None and self.num_threads < 0:
             raise ValueError(f"num_threads={self.num_threads}: must be >= 0 (0 = torch's default, one per core)")
 
@@ -140,25 +129,29 @@ def _resolve_yaml(value: str, kind: str, flag: str) -> str:
     raise CLIError(f"{flag} {value}: not a file and not a name shipped in trl_flow/{kind} ({', '.join(found)}){hint}")
 
 
+def commands() -> list[str]:
+    """The trainer subcommands: every registered trainer's name (``trl_flow.register_trainer``), then the aliases."""
+    from .trainers.registry import registered_trainers, trainer_aliases
+
+    return [*registered_trainers(), *trainer_aliases()]
+
+
+def canonical(command: str) -> str:
+    """The registered name of a subcommand given by name or alias."""
+    from .trainers.registry import trainer_aliases
+
+    return trainer_aliases().get(command, command)
+
+
 def trainer_classes(command: str):
-    """The (config class, trainer class) of a subcommand; a clear error if this version of trl_flow lacks it."""
-    import trl_flow
+    """The (config class, trainer class) of a subcommand: the registered trainer and its ``config_class``."""
+    from .trainers.registry import get_trainer
 
-    if command not in TRAINERS:
-        raise CLIError(f"unknown command {command!r}; commands: {', '.join([*TRAINERS, REWARD_SERVER])}")
-    config_name, trainer_name, _ = TRAINERS[command]
-    config_cls, trainer_cls = getattr(trl_flow, config_name, None), getattr(trl_flow, trainer_name, None)
-    if config_cls is None or trainer_cls is None:
-        raise CLIError(f"{trainer_name} is not available in this version of trl_flow "
-                       f"({trl_flow.__version__}); upgrade trl_flow or use one of: "
-                       f"{', '.join(c for c in TRAINERS if _available(c))}")
-    return config_cls, trainer_cls
-
-
-def _available(command: str) -> bool:
-    import trl_flow
-
-    return all(hasattr(trl_flow, n) for n in TRAINERS[command][:2])
+    try:
+        trainer_cls = get_trainer(command)
+    except KeyError:
+        raise CLIError(f"unknown command {command!r}; commands: {', '.join([*commands(), REWARD_SERVER])}") from None
+    return trainer_cls.config_class, trainer_cls
 
 
 def make_parser(command: str):
@@ -167,7 +160,7 @@ def make_parser(command: str):
 
     config_cls, _ = trainer_classes(command)
     parser_cls = type("TrlFlowParser", (_Parser, TrlParser), {})
-    recipes = [n for n, path in shipped("recipes").items() if _recipe_trainer(path) in (None, command)]
+    recipes = [n for n, path in shipped("recipes").items() if _recipe_trainer(path) in (None, canonical(command))]
     parser = parser_cls((ScriptArguments, config_cls), prog=f"trl-flow {command}", allow_abbrev=False,
                         epilog=f"recipes for `trl-flow {command}` (--config NAME): {', '.join(recipes)}")
     for action in parser._actions:  # argparse %-formats help texts: a literal "25%" in a field's help broke --help
@@ -226,7 +219,7 @@ def parse_args(command: str, argv: list[str]):
         raise CLIError(f"--config: unknown keys {keys}; recipe keys must be fields of {type(config).__name__} "
                        "or script arguments (see trl-flow " + command + " --help)"
                        + (f"; did you mean: {', '.join(hints)}?" if hints else ""))
-    if script_args.trainer is not None and script_args.trainer != command:
+    if script_args.trainer is not None and canonical(script_args.trainer) != canonical(command):
         raise CLIError(f"this recipe is for `trl-flow {script_args.trainer}` (trainer: {script_args.trainer}), "
                        f"not `trl-flow {command}`")
     flags = [f for f in parser._option_string_actions if f.startswith("--") and f != "--help"]
@@ -464,9 +457,13 @@ def _top_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trl-flow", allow_abbrev=False,
                                      description="RL post-training of flow-matching diffusers pipelines.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (_, _, help_text) in TRAINERS.items():
-        suffix = "" if _available(name) else " [not available in this version]"
-        sub.add_parser(name, help=help_text + suffix, add_help=False)
+    from .trainers.registry import registered_trainers, summary, trainer_aliases
+
+    aliases = trainer_aliases()
+    for name, trainer_cls in registered_trainers().items():
+        also = [a for a, n in aliases.items() if n == name]
+        sub.add_parser(name, help=summary(trainer_cls) + (f" (also: {', '.join(also)})" if also else ""),
+                       add_help=False)
     sub.add_parser(REWARD_SERVER, help="serve a reward callable over HTTP for RemoteReward", add_help=False)
     return parser
 
@@ -474,10 +471,10 @@ def _top_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Console entry point of ``trl-flow``. Returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in (*TRAINERS, REWARD_SERVER):
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in (*commands(), REWARD_SERVER):
         parser = _top_parser()
         if argv and argv[0] not in ("-h", "--help"):
-            parser.error(f"unknown command {argv[0]!r}; choose from {', '.join([*TRAINERS, REWARD_SERVER])}")
+            parser.error(f"unknown command {argv[0]!r}; choose from {', '.join([*commands(), REWARD_SERVER])}")
         parser.print_help()
         return 0
     command, rest = argv[0], argv[1:]

@@ -36,6 +36,7 @@ import uuid
 import warnings
 
 from .. import storage
+from ..config_fields import RESUME_KINDS
 from ..storage import (LORA_WEIGHT_NAME, SaveError, describe_write_error, follow_umask, read_json, sha256,
                        write_atomically, write_json)
 from . import distributed
@@ -53,22 +54,17 @@ TRASH_SUFFIX = ".deleting"
 ABANDONED_PREFIX = "abandoned-after-step-"
 _FORMAT = "trl_flow.checkpoint"
 
-#: Changing one of these on resume is refused: the checkpoint's weights, optimizer or stored trajectories would
-#: mean something else (another adapter shape, another policy family, another group structure).
-REFUSED_CHANGES = (
-    "finetune", "lora_r", "lora_alpha", "lora_target_modules", "lora_dropout", "optim", "num_generations",
-    "sampler", "noise_level", "logprob_reduction", "truncation_step", "experts",
-)
-#: Changing one of these on resume does not change what is trained: accepted silently.
-HARMLESS_CHANGES = (
-    "output_dir", "overwrite_output_dir", "run_name", "max_steps", "logging_steps", "log_images_steps", "report_to",
-    "save_steps", "save_total_limit", "resume_from_checkpoint", "push_to_hub", "hub_model_id", "hub_private_repo",
-    "disable_tqdm", "eval_steps", "eval_num_inference_steps", "eval_guidance_scale", "per_device_eval_batch_size",
-    "gradient_checkpointing", "offload", "per_device_reward_batch_size", "reward_timeout",
-)
-#: Optimizer settings that a resume applies explicitly to the restored optimizer and schedule.
-OPTIMIZER_FIELDS = ("learning_rate", "adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay", "lr_scheduler_type",
-                    "warmup_steps")
+def resume_kinds(config_cls, strict: bool = True) -> dict[str, str]:
+    """``{field name: resume kind}`` of a config class (:data:`RESUME_KINDS`). A field without one is an error
+    (``strict``; ``register_trainer`` checks), else treated as ``notice``."""
+    out = {}
+    for f in dataclasses.fields(config_cls):
+        kind = f.metadata.get("resume", None if strict else "notice")
+        if kind not in RESUME_KINDS:
+            raise TypeError(f"{config_cls.__name__}.{f.name}: metadata['resume'] must be one of {list(RESUME_KINDS)}, "
+                            f"got {kind!r} (how a resumed run treats a change of the field)")
+        out[f.name] = kind
+    return out
 
 
 class TrainerState:
@@ -449,7 +445,8 @@ def load_checkpoint(trainer, resume) -> CheckpointInfo:
                          f"is {trainer._method_name!r}; resume it with the same trainer class")
     saved_cfg = read_json(os.path.join(info.path, CONFIG_NAME))
     trainer.check_saved_config(saved_cfg, os.path.join(info.path, CONFIG_NAME))
-    notices = compare_configs(saved_cfg, flat_config(cfg))
+    kinds = resume_kinds(type(cfg), strict=False)
+    notices = compare_configs(saved_cfg, flat_config(cfg), kinds)
     distributed.check_resume(trainer, info.path, read_json(os.path.join(info.path, COMPLETE_NAME)).get("num_processes"))
     try:
         acc.load_state(info.path)
@@ -465,7 +462,8 @@ def load_checkpoint(trainer, resume) -> CheckpointInfo:
             trainer.ema.shadow_params = [p.detach().clone() for p in trainer.trainable_params]
     trainer.load_extra_state(info.path)
     trainer._saved_model = None  # other weights now: save_model writes again
-    if any(saved_cfg.get(k) != flat_config(cfg).get(k) for k in OPTIMIZER_FIELDS + ("max_steps",)):
+    optimizer_fields = [k for k, kind in kinds.items() if kind == "optimizer"]
+    if any(saved_cfg.get(k) != flat_config(cfg).get(k) for k in optimizer_fields + ["max_steps"]):
         apply_optimizer_settings(trainer.optimizer, trainer.lr_scheduler, cfg)
         if saved_cfg.get("max_steps") != cfg.max_steps and cfg.lr_scheduler_type not in ("constant",
                                                                                           "constant_with_warmup"):
@@ -478,18 +476,19 @@ def load_checkpoint(trainer, resume) -> CheckpointInfo:
     return info
 
 
-def compare_configs(saved: dict, current: dict) -> list[str]:
-    """Raise ``ValueError`` naming every field of :data:`REFUSED_CHANGES` whose value differs between the saved and
-    the current config (both values). Returns a notice per other non-harmless change (optimizer settings are
-    applied by :func:`apply_optimizer_settings`)."""
+def compare_configs(saved: dict, current: dict, kinds: dict[str, str]) -> list[str]:
+    """Raise ``ValueError`` naming every field of kind ``refuse`` (``kinds``: each field's ``metadata["resume"]``,
+    :func:`resume_kinds`) whose value differs between the saved and the current config
+    (both values). Returns a notice per other change that is not ``harmless`` (``optimizer`` fields are applied by
+    :func:`apply_optimizer_settings`)."""
     refused, notices = [], []
     for name in sorted(set(saved) | set(current)):
         if name not in saved or name not in current or _same(saved[name], current[name]):
             continue
         change = f"{name}: {saved[name]!r} -> {current[name]!r}"
-        if name in REFUSED_CHANGES:
+        if kinds.get(name) == "refuse":
             refused.append(change)
-        elif name not in HARMLESS_CHANGES:
+        elif kinds.get(name) != "harmless":
             notices.append(change)
     if refused:
         raise ValueError("resume_from_checkpoint: the checkpoint was trained with other settings that cannot change "

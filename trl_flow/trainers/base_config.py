@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from ..config_fields import meta
+
 from ..advantages import SCALE_REWARDS
 from ..kernels import KL_FORMS, REDUCTIONS, SAMPLERS
 from ..memory import OFFLOAD_MODES
@@ -37,89 +39,231 @@ class FlowRLConfig:
     trains_on_log_probs = True
 
     # ---- run ---------------------------------------------------------------------------------------------------
-    output_dir: str = field(default="trl_flow_output", metadata={"help": "Where checkpoints, samples and the final LoRA are written."})
-    run_name: str | None = field(default=None, metadata={"help": "Name of the run for the trackers (default: the trainer's method name)."})
-    seed: int = field(default=42, metadata={"help": "Seed of every random draw (prompt order, noise, SDE noise, shuffles). Each iteration derives its own generators from (seed, step), so a resumed run repeats an uninterrupted one exactly. An integer in [0, 2**32 - 1]."})
-    max_steps: int = field(default=100, metadata={"help": "Number of training iterations. One iteration samples `prompts_per_step * num_generations` trajectories, scores them and runs `num_inner_epochs` passes of updates over them."})
+    output_dir: str = field(default="trl_flow_output", metadata=meta("harmless",
+        "Where checkpoints, samples and the final LoRA are written."))
+    run_name: str | None = field(default=None, metadata=meta("harmless",
+        "Name of the run for the trackers (default: the trainer's method name)."))
+    seed: int = field(default=42, metadata=meta("notice",
+        "Seed of every random draw (prompt order, noise, SDE noise, shuffles). Each iteration derives its own "
+        "generators from (seed, step), so a resumed run repeats an uninterrupted one exactly. An integer in [0, "
+        "2**32 - 1]."))
+    max_steps: int = field(default=100, metadata=meta("harmless",
+        "Number of training iterations. One iteration samples `prompts_per_step * num_generations` trajectories, "
+        "scores them and runs `num_inner_epochs` passes of updates over them."))
     # ---- batch ---------------------------------------------------------------------------------------------------
-    num_generations: int = field(default=8, metadata={"help": "Group size G: trajectories sampled per prompt (published: 24)."})
-    prompts_per_step: int = field(default=4, metadata={"help": "Distinct prompts (groups) per iteration, over all processes. `prompts_per_step * num_generations` must divide evenly among processes."})
-    per_device_train_batch_size: int = field(default=8, metadata={"help": "Trajectories per forward pass on one device, for sampling and for the update."})
-    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Microbatches (of `per_device_train_batch_size` trajectories, each over all its trained steps) accumulated per optimizer step."})
-    batch_layout: str = field(default="mixed", metadata={"help": "Order of an iteration's samples, which the first update pass keeps: `mixed` (default; seeded permutation: every microbatch holds several prompts, as the released flow_grpo, DiffusionNFT and UniRL code shuffle before the update) or `by_prompt` (one group after another: a microbatch of G holds one prompt; trl_flow's layout until 0.1, the committed benchmark runs)."})
-    num_inner_epochs: int = field(default=1, metadata={"help": "Passes of updates over each rollout. The first pass keeps the rollout's batch composition so the first ratio is exactly 1; later passes shuffle."})
+    num_generations: int = field(default=8, metadata=meta("refuse",
+        "Group size G: trajectories sampled per prompt (published: 24)."))
+    prompts_per_step: int = field(default=4, metadata=meta("notice",
+        "Distinct prompts (groups) per iteration, over all processes. `prompts_per_step * num_generations` must "
+        "divide evenly among processes."))
+    per_device_train_batch_size: int = field(default=8, metadata=meta("notice",
+        "Trajectories per forward pass on one device, for sampling and for the update."))
+    gradient_accumulation_steps: int = field(default=1, metadata=meta("notice",
+        "Microbatches (of `per_device_train_batch_size` trajectories, each over all its trained steps) accumulated "
+        "per optimizer step."))
+    batch_layout: str = field(default="mixed", metadata=meta("notice",
+        "Order of an iteration's samples, which the first update pass keeps: `mixed` (default; seeded permutation: "
+        "every microbatch holds several prompts, as the released flow_grpo, DiffusionNFT and UniRL code shuffle "
+        "before the update) or `by_prompt` (one group after another: a microbatch of G holds one prompt; trl_flow's "
+        "layout until 0.1, the committed benchmark runs)."))
+    num_inner_epochs: int = field(default=1, metadata=meta("notice",
+        "Passes of updates over each rollout. The first pass keeps the rollout's batch composition so the first "
+        "ratio is exactly 1; later passes shuffle."))
     # ---- optimisation ------------------------------------------------------------------------------------------
-    learning_rate: float = field(default=3e-4, metadata={"help": "AdamW learning rate (published Flow-GRPO: 3e-4 for LoRA)."})
-    adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
-    adam_beta2: float = field(default=0.999, metadata={"help": "AdamW beta2."})
-    adam_epsilon: float = field(default=1e-8, metadata={"help": "AdamW epsilon."})
-    weight_decay: float = field(default=1e-4, metadata={"help": "AdamW weight decay."})
-    optim: str = field(default="adamw_torch", metadata={"help": "Optimizer: `adamw_torch` or `adamw_8bit` (bitsandbytes)."})
-    lr_scheduler_type: str = field(default="constant", metadata={"help": "A `transformers.get_scheduler` name: constant, constant_with_warmup, linear, cosine, cosine_with_restarts, polynomial or inverse_sqrt."})
-    warmup_steps: int = field(default=0, metadata={"help": "Warm-up optimizer steps of the LR schedule."})
-    max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm (0 disables)."})
-    bf16: bool = field(default=False, metadata={"help": "bf16 mixed precision: frozen weights in bf16, trainable LoRA weights and all kernel math in float32."})
-    fp16: bool = field(default=False, metadata={"help": "fp16 mixed precision (like bf16, with a gradient scaler)."})
-    gradient_checkpointing: bool = field(default=False, metadata={"help": "Enable the transformer's gradient checkpointing to save memory."})
-    offload: str = field(default="none", metadata={"help": "`none`, or `model`: the text encoders and the VAE wait in CPU memory and move to the device only to encode prompts / decode images (saves their device memory during sampling and the update; results unchanged)."})
-    per_device_reward_batch_size: int | None = field(default=None, metadata={"help": "Images per reward call on one device (bounds a reward model's memory); default: all of the process's images of the iteration in one call."})
+    learning_rate: float = field(default=3e-4, metadata=meta("optimizer",
+        "AdamW learning rate (published Flow-GRPO: 3e-4 for LoRA)."))
+    adam_beta1: float = field(default=0.9, metadata=meta("optimizer", "AdamW beta1."))
+    adam_beta2: float = field(default=0.999, metadata=meta("optimizer", "AdamW beta2."))
+    adam_epsilon: float = field(default=1e-8, metadata=meta("optimizer", "AdamW epsilon."))
+    weight_decay: float = field(default=1e-4, metadata=meta("optimizer", "AdamW weight decay."))
+    optim: str = field(default="adamw_torch", metadata=meta("refuse",
+        "Optimizer: `adamw_torch` or `adamw_8bit` (bitsandbytes)."))
+    lr_scheduler_type: str = field(default="constant", metadata=meta("optimizer",
+        "A `transformers.get_scheduler` name: constant, constant_with_warmup, linear, cosine, cosine_with_restarts, "
+        "polynomial or inverse_sqrt."))
+    warmup_steps: int = field(default=0, metadata=meta("optimizer", "Warm-up optimizer steps of the LR schedule."))
+    max_grad_norm: float = field(default=1.0, metadata=meta("notice", "Gradient clipping norm (0 disables)."))
+    bf16: bool = field(default=False, metadata=meta("notice",
+        "bf16 mixed precision: frozen weights in bf16, trainable LoRA weights and all kernel math in float32."))
+    fp16: bool = field(default=False, metadata=meta("notice",
+        "fp16 mixed precision (like bf16, with a gradient scaler)."))
+    gradient_checkpointing: bool = field(default=False, metadata=meta("harmless",
+        "Enable the transformer's gradient checkpointing to save memory."))
+    offload: str = field(default="none", metadata=meta("harmless",
+        "`none`, or `model`: the text encoders and the VAE wait in CPU memory and move to the device only to encode "
+        "prompts / decode images (saves their device memory during sampling and the update; results unchanged)."))
+    per_device_reward_batch_size: int | None = field(default=None, metadata=meta("harmless",
+        "Images per reward call on one device (bounds a reward model's memory); default: all of the process's images "
+        "of the iteration in one call."))
     # ---- what is trained -----------------------------------------------------------------------------------------
-    finetune: str = field(default="lora", metadata={"help": "`lora` (peft adapter on the transformer; the reference policy is the model with adapters disabled) or `full` (all transformer weights; the reference is a frozen copy)."})
-    lora_r: int = field(default=32, metadata={"help": "LoRA rank (published: 32)."})
-    lora_alpha: int = field(default=64, metadata={"help": "LoRA alpha (published: 64), > 0 (the LoRA update is scaled by alpha / r). Saved in the adapter metadata, so alpha != r round-trips."})
-    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout. Must be 0: with dropout the update's first ratio pi_theta / pi_old is not 1 (the rollout ran without it)."})
-    experts: str = field(default="all", metadata={"help": "Which transformers of a pipeline with several are trained: `all`, or for Wan2.2-A14B's two experts `high_noise` (pipe.transformer) or `low_noise` (pipe.transformer_2). A frozen expert's steps are sampled deterministically (ODE) and not trained; its weights never change. Pipelines with one transformer: `all`. Default `all`, as Flow-Factory's Wan2.2 adapter (LoRA on both experts)."})
-    lora_target_modules: list[str] | None = field(default=None, metadata={"help": "Modules to adapt; default: the model family's adapter's `default_lora_target_modules` (docs/models.md lists them: SD3: attn.to_q attn.to_k attn.to_v attn.to_out.0 attn.add_q_proj attn.add_k_proj attn.add_v_proj attn.to_add_out; FLUX.1: those and ff.net.0.proj ff.net.2 ff_context.net.0.proj ff_context.net.2; Wan: to_q to_k to_v to_out.0; Qwen-Image, Z-Image, FLUX.2: their diffusers LoRA scripts' targets)."})
-    ema_decay: float = field(default=0.0, metadata={"help": "EMA of the trained weights (diffusers EMAModel) used for evaluation and `save_model`; 0 disables (published: 0.9)."})
+    finetune: str = field(default="lora", metadata=meta("refuse",
+        "`lora` (peft adapter on the transformer; the reference policy is the model with adapters disabled) or "
+        "`full` (all transformer weights; the reference is a frozen copy)."))
+    lora_r: int = field(default=32, metadata=meta("refuse", "LoRA rank (published: 32)."))
+    lora_alpha: int = field(default=64, metadata=meta("refuse",
+        "LoRA alpha (published: 64), > 0 (the LoRA update is scaled by alpha / r). Saved in the adapter metadata, so "
+        "alpha != r round-trips."))
+    lora_dropout: float = field(default=0.0, metadata=meta("refuse",
+        "LoRA dropout. Must be 0: with dropout the update's first ratio pi_theta / pi_old is not 1 (the rollout ran "
+        "without it)."))
+    experts: str = field(default="all", metadata=meta("refuse",
+        "Which transformers of a pipeline with several are trained: `all`, or for Wan2.2-A14B's two experts "
+        "`high_noise` (pipe.transformer) or `low_noise` (pipe.transformer_2). A frozen expert's steps are sampled "
+        "deterministically (ODE) and not trained; its weights never change. Pipelines with one transformer: `all`. "
+        "Default `all`, as Flow-Factory's Wan2.2 adapter (LoRA on both experts)."))
+    lora_target_modules: list[str] | None = field(default=None, metadata=meta("refuse",
+        "Modules to adapt; default: the model family's adapter's `default_lora_target_modules` (docs/models.md lists "
+        "them: SD3: attn.to_q attn.to_k attn.to_v attn.to_out.0 attn.add_q_proj attn.add_k_proj attn.add_v_proj "
+        "attn.to_add_out; FLUX.1: those and ff.net.0.proj ff.net.2 ff_context.net.0.proj ff_context.net.2; Wan: to_q "
+        "to_k to_v to_out.0; Qwen-Image, Z-Image, FLUX.2: their diffusers LoRA scripts' targets)."))
+    ema_decay: float = field(default=0.0, metadata=meta("notice",
+        "EMA of the trained weights (diffusers EMAModel) used for evaluation and `save_model`; 0 disables "
+        "(published: 0.9)."))
     # ---- sampling ----------------------------------------------------------------------------------------------
-    sampler: str = field(default="flow_sde", metadata={"help": "Transition kernel of the rollout: `flow_sde` (Flow-GRPO), `cps` (coefficients-preserving), `ddim` (Stepwise-Flow-GRPO) or `ode`."})
-    noise_level: float = field(default=0.7, metadata={"help": "Kernel noise: `a` for flow_sde/cps, `eta` for ddim (published flow_sde: 0.7)."})
-    num_inference_steps: int = field(default=10, metadata={"help": "Sampling steps of the rollout (published: 10)."})
-    guidance_scale: float = field(default=4.5, metadata={"help": "Guidance scale of the rollout and the update, >= 0, applied as the family's pipeline does (published SD3.5: 4.5): SD3 / Wan / Qwen-Image / FLUX.2 [klein] base: true CFG, <= 1 means one unguided pass; FLUX.1-dev / FLUX.2-dev: the distilled guidance embedding; Z-Image: any value > 0 guides (cond + g (cond - uncond)). docs/models.md, per family."})
-    guidance_scale_2: float | None = field(default=None, metadata={"help": "Wan2.2-A14B: CFG scale of the low-noise expert (transformer_2), WanPipeline's guidance_scale_2 (guidance_scale then guides the high-noise expert; published: 4.0 high / 3.0 low). None: guidance_scale. Pipelines without transformer_2: leave None."})
-    source_image_size: str = field(default="auto", metadata={"help": "Image editing (FLUX.1 Kontext, Qwen-Image-Edit; a `source_image` dataset column): the size the source image is encoded at. `auto`: the pipeline's default: FluxKontextPipeline's `_auto_resize`, the preferred Kontext resolution nearest the source's aspect ratio; Qwen-Image-Edit's 1024 x 1024 area at the source's aspect ratio (either about 1 MP: 4096 source tokens next to 1024 generated ones at 512 px); `source`: the source's own size (multiple of 16; Qwen-Image-Edit: its area); `output`: resized to height x width, as Flow-GRPO's Kontext training does (Qwen-Image-Edit: that area at the source's aspect ratio, Flow-Factory's `condition_image_size`). Other pipelines: leave `auto`."})
-    height: int = field(default=512, metadata={"help": "Image height in pixels."})
-    width: int = field(default=512, metadata={"help": "Image width in pixels."})
-    num_frames: int = field(default=33, metadata={"help": "Frames per video for video pipelines (Wan: 4k + 1; published Wan2.1 recipe: 33 at 240x416). Image pipelines ignore it."})
-    max_sequence_length: int = field(default=256, metadata={"help": "Prompt length in tokens, >= 1, as the pipeline's own `max_sequence_length` (SD3 / FLUX.1: the T5 length; Qwen-Image, Z-Image, FLUX.2: the text encoder's; pipelines without one ignore it)."})
-    same_noise_per_group: bool = field(default=False, metadata={"help": "Give all trajectories of a group the same initial noise."})
-    sde_window_size: int = field(default=0, metadata={"help": "Flow-GRPO-Fast / MixGRPO window: if > 0, only this many consecutive steps are stochastic (start drawn in [0, sde_window_range)), ODE elsewhere, and only they are trained. 0: every step but the last."})
-    sde_window_range: int | None = field(default=None, metadata={"help": "Window starts are drawn in [0, sde_window_range); default num_inference_steps // 2."})
-    logprob_reduction: str = field(default="mean", metadata={"help": "Reduce the per-dimension log-density by `mean` (reference code; clip ranges ~1e-4) or `sum`."})
+    sampler: str = field(default="flow_sde", metadata=meta("refuse",
+        "Transition kernel of the rollout: `flow_sde` (Flow-GRPO), `cps` (coefficients-preserving), `ddim` "
+        "(Stepwise-Flow-GRPO) or `ode`."))
+    noise_level: float = field(default=0.7, metadata=meta("refuse",
+        "Kernel noise: `a` for flow_sde/cps, `eta` for ddim (published flow_sde: 0.7)."))
+    num_inference_steps: int = field(default=10, metadata=meta("notice",
+        "Sampling steps of the rollout (published: 10)."))
+    guidance_scale: float = field(default=4.5, metadata=meta("notice",
+        "Guidance scale of the rollout and the update, >= 0, applied as the family's pipeline does (published SD3.5: "
+        "4.5): SD3 / Wan / Qwen-Image / FLUX.2 [klein] base: true CFG, <= 1 means one unguided pass; FLUX.1-dev / "
+        "FLUX.2-dev: the distilled guidance embedding; Z-Image: any value > 0 guides (cond + g (cond - uncond)). "
+        "docs/models.md, per family."))
+    guidance_scale_2: float | None = field(default=None, metadata=meta("notice",
+        "Wan2.2-A14B: CFG scale of the low-noise expert (transformer_2), WanPipeline's guidance_scale_2 "
+        "(guidance_scale then guides the high-noise expert; published: 4.0 high / 3.0 low). None: guidance_scale. "
+        "Pipelines without transformer_2: leave None."))
+    source_image_size: str = field(default="auto", metadata=meta("notice",
+        "Image editing (FLUX.1 Kontext, Qwen-Image-Edit; a `source_image` dataset column): the size the source image "
+        "is encoded at. `auto`: the pipeline's default: FluxKontextPipeline's `_auto_resize`, the preferred Kontext "
+        "resolution nearest the source's aspect ratio; Qwen-Image-Edit's 1024 x 1024 area at the source's aspect "
+        "ratio (either about 1 MP: 4096 source tokens next to 1024 generated ones at 512 px); `source`: the source's "
+        "own size (multiple of 16; Qwen-Image-Edit: its area); `output`: resized to height x width, as Flow-GRPO's "
+        "Kontext training does (Qwen-Image-Edit: that area at the source's aspect ratio, Flow-Factory's "
+        "`condition_image_size`). Other pipelines: leave `auto`."))
+    height: int = field(default=512, metadata=meta("notice", "Image height in pixels."))
+    width: int = field(default=512, metadata=meta("notice", "Image width in pixels."))
+    num_frames: int = field(default=33, metadata=meta("notice",
+        "Frames per video for video pipelines (Wan: 4k + 1; published Wan2.1 recipe: 33 at 240x416). Image pipelines "
+        "ignore it."))
+    max_sequence_length: int = field(default=256, metadata=meta("notice",
+        "Prompt length in tokens, >= 1, as the pipeline's own `max_sequence_length` (SD3 / FLUX.1: the T5 length; "
+        "Qwen-Image, Z-Image, FLUX.2: the text encoder's; pipelines without one ignore it)."))
+    same_noise_per_group: bool = field(default=False, metadata=meta("notice",
+        "Give all trajectories of a group the same initial noise."))
+    sde_window_size: int = field(default=0, metadata=meta("notice",
+        "Flow-GRPO-Fast / MixGRPO window: if > 0, only this many consecutive steps are stochastic (start drawn in "
+        "[0, sde_window_range)), ODE elsewhere, and only they are trained. 0: every step but the last."))
+    sde_window_range: int | None = field(default=None, metadata=meta("notice",
+        "Window starts are drawn in [0, sde_window_range); default num_inference_steps // 2."))
+    logprob_reduction: str = field(default="mean", metadata=meta("refuse",
+        "Reduce the per-dimension log-density by `mean` (reference code; clip ranges ~1e-4) or `sum`."))
     # ---- objective -----------------------------------------------------------------------------------------------
-    beta: float = field(default=0.04, metadata={"help": "Weight of the KL to the reference policy (published: 0.04 GenEval/OCR, 0.01 PickScore, tuned with kl_form='reference'). 0 skips the reference forward pass."})
-    kl_form: str = field(default="reference", metadata={"help": "Form of the KL penalty. `reference` (default, the Flow-GRPO reference code, with which the published betas were tuned): ||mu - mu_ref||^2 / (2 a^2 s/(1-s)), i.e. the exact KL times |dt| for flow_sde (3.7x-25x weaker per step at 10 steps, shift 3); `exact`: the exact kernel KL ||mu - mu_ref||^2 / (2 std^2) of the paper's formula. cps: both forms agree; ddim: always exact."})
-    guidance_grad: str = field(default="cond_only", metadata={"help": "Gradient through classifier-free guidance in the update. `cond_only` (default, the Flow-GRPO reference code): the unconditional branch is detached, so only the conditional branch is trained; `both`: back-propagate through both branches (the exact gradient of the guided policy; gives the unconditional branch the weight 1 - guidance_scale). Rollout values and log-probs are identical either way."})
-    trust_region: str = field(default="clip", metadata={"help": "How each update is kept near the rollout's policy: `clip` (PPO ratio clip, Flow-GRPO; `clip_range`) or `kl_mask` (Flow-DPPO's divergence trust region: a sample's term is dropped when the exact old-vs-new kernel KL of its step exceeds `kl_mask_delta` and the update moves away from the old policy in its advantage's direction; no clip)."})
-    clip_range: float = field(default=1e-4, metadata={"help": "trust_region=`clip`: PPO clip range eps on the per-step ratio (published Flow-GRPO: 1e-4 with mean-reduced log-probs)."})
-    kl_mask_delta: float | None = field(default=None, metadata={"help": "trust_region=`kl_mask`: threshold on the exact KL between the frozen old kernel and the current one, ||mu_old - mu_theta||^2 / (2 std^2) with the kernel's full std (flow_sde: including sqrt(-dt)), mean-reduced over latent dims whatever logprob_reduction. This is NOT the `kl_form` scaling of the beta-KL to the reference policy. Default (None): 1e-5 for every kernel, the authors' released Flow-DPPO code (resolved where it is used, `resolved_kl_mask_delta`); 1e-7 for flow_sde and 1e-6 for cps are attributed to the paper's write-up but unverified (the write-up we have gives no delta; pass them explicitly to try them)."})
-    kl_mask_mode: str = field(default="asymmetric", metadata={"help": "trust_region=`kl_mask`: `asymmetric` (Flow-DPPO: a step back toward the old policy is never masked) or `symmetric` (ABLATION only: mask every sample whose KL exceeds the threshold; the paper reports training collapses)."})
-    reward_weights: list[float] | None = field(default=None, metadata={"help": "One weight per reward function (default: all 1)."})
-    scale_rewards: str = field(default="batch", metadata={"help": "Advantage std (the mean is always the group's): `batch` (default; std over the whole gathered batch, the reference SD3 recipes' global_std=True), `group` (std over the group, the paper's formula) or `none`."})
-    reward_num_workers: int = field(default=0, metadata={"help": "Threads that decode and score each sampled microbatch while the next one is sampled (scores are the same; each reward call sees one microbatch, from a worker thread). 0: decode and score the whole batch after sampling."})
-    reward_timeout: float | None = field(default=900.0, metadata={"help": "Seconds one reward call (one reward function on one batch of per_device_reward_batch_size images) may take; a call still running then fails the iteration with a RewardError naming the reward, before any update, and the process can exit (a Python thread cannot be stopped: the call is left running in a background daemon thread). Default 900 (15 min), above a remote reward's own worst case (4 attempts of 120 s); 0 or None: no limit. The start-up check call, which also loads a reward model's weights, has no limit."})
-    adv_clip_max: float = field(default=5.0, metadata={"help": "Advantages are clipped to +-adv_clip_max (> 0)."})
+    beta: float = field(default=0.04, metadata=meta("notice",
+        "Weight of the KL to the reference policy (published: 0.04 GenEval/OCR, 0.01 PickScore, tuned with "
+        "kl_form='reference'). 0 skips the reference forward pass."))
+    kl_form: str = field(default="reference", metadata=meta("notice",
+        "Form of the KL penalty. `reference` (default, the Flow-GRPO reference code, with which the published betas "
+        "were tuned): ||mu - mu_ref||^2 / (2 a^2 s/(1-s)), i.e. the exact KL times |dt| for flow_sde (3.7x-25x "
+        "weaker per step at 10 steps, shift 3); `exact`: the exact kernel KL ||mu - mu_ref||^2 / (2 std^2) of the "
+        "paper's formula. cps: both forms agree; ddim: always exact."))
+    guidance_grad: str = field(default="cond_only", metadata=meta("notice",
+        "Gradient through classifier-free guidance in the update. `cond_only` (default, the Flow-GRPO reference "
+        "code): the unconditional branch is detached, so only the conditional branch is trained; `both`: "
+        "back-propagate through both branches (the exact gradient of the guided policy; gives the unconditional "
+        "branch the weight 1 - guidance_scale). Rollout values and log-probs are identical either way."))
+    trust_region: str = field(default="clip", metadata=meta("notice",
+        "How each update is kept near the rollout's policy: `clip` (PPO ratio clip, Flow-GRPO; `clip_range`) or "
+        "`kl_mask` (Flow-DPPO's divergence trust region: a sample's term is dropped when the exact old-vs-new kernel "
+        "KL of its step exceeds `kl_mask_delta` and the update moves away from the old policy in its advantage's "
+        "direction; no clip)."))
+    clip_range: float = field(default=1e-4, metadata=meta("notice",
+        "trust_region=`clip`: PPO clip range eps on the per-step ratio (published Flow-GRPO: 1e-4 with mean-reduced "
+        "log-probs)."))
+    kl_mask_delta: float | None = field(default=None, metadata=meta("notice",
+        "trust_region=`kl_mask`: threshold on the exact KL between the frozen old kernel and the current one, "
+        "||mu_old - mu_theta||^2 / (2 std^2) with the kernel's full std (flow_sde: including sqrt(-dt)), "
+        "mean-reduced over latent dims whatever logprob_reduction. This is NOT the `kl_form` scaling of the beta-KL "
+        "to the reference policy. Default (None): 1e-5 for every kernel, the authors' released Flow-DPPO code "
+        "(resolved where it is used, `resolved_kl_mask_delta`); 1e-7 for flow_sde and 1e-6 for cps are attributed to "
+        "the paper's write-up but unverified (the write-up we have gives no delta; pass them explicitly to try "
+        "them)."))
+    kl_mask_mode: str = field(default="asymmetric", metadata=meta("notice",
+        "trust_region=`kl_mask`: `asymmetric` (Flow-DPPO: a step back toward the old policy is never masked) or "
+        "`symmetric` (ABLATION only: mask every sample whose KL exceeds the threshold; the paper reports training "
+        "collapses)."))
+    reward_weights: list[float] | None = field(default=None, metadata=meta("notice",
+        "One weight per reward function (default: all 1)."))
+    scale_rewards: str = field(default="batch", metadata=meta("notice",
+        "Advantage std (the mean is always the group's): `batch` (default; std over the whole gathered batch, the "
+        "reference SD3 recipes' global_std=True), `group` (std over the group, the paper's formula) or `none`."))
+    reward_num_workers: int = field(default=0, metadata=meta("notice",
+        "Threads that decode and score each sampled microbatch while the next one is sampled (scores are the same; "
+        "each reward call sees one microbatch, from a worker thread). 0: decode and score the whole batch after "
+        "sampling."))
+    reward_timeout: float | None = field(default=900.0, metadata=meta("harmless",
+        "Seconds one reward call (one reward function on one batch of per_device_reward_batch_size images) may take; "
+        "a call still running then fails the iteration with a RewardError naming the reward, before any update, and "
+        "the process can exit (a Python thread cannot be stopped: the call is left running in a background daemon "
+        "thread). Default 900 (15 min), above a remote reward's own worst case (4 attempts of 120 s); 0 or None: no "
+        "limit. The start-up check call, which also loads a reward model's weights, has no limit."))
+    adv_clip_max: float = field(default=5.0, metadata=meta("notice",
+        "Advantages are clipped to +-adv_clip_max (> 0)."))
     # ---- evaluation, logging, checkpoints -------------------------------------------------------------------
-    eval_steps: int = field(default=0, metadata={"help": "Evaluate every this many iterations (and before the first and after the last); 0 disables. Needs an eval_dataset."})
-    eval_num_inference_steps: int = field(default=40, metadata={"help": "ODE steps of the evaluation sampler (published: 40)."})
-    eval_guidance_scale: float | None = field(default=None, metadata={"help": "Guidance of the evaluation (default: guidance_scale)."})
-    per_device_eval_batch_size: int = field(default=16, metadata={"help": "Images per forward pass in evaluation."})
-    logging_steps: int = field(default=1, metadata={"help": "Log metrics every this many iterations."})
-    log_images_steps: int = field(default=0, metadata={"help": "Write a grid of rollout images to output_dir/samples every this many iterations; 0 disables."})
-    report_to: list[str] | str = field(default="none", metadata={"help": "Trackers for accelerate: none, all, wandb, tensorboard, or a list."})
-    save_steps: int = field(default=0, metadata={"help": "Save a resumable checkpoint (accelerate save_state) every this many iterations; 0 disables."})
-    save_total_limit: int | None = field(default=None, metadata={"help": "Keep at most this many checkpoints (oldest deleted)."})
-    resume_from_checkpoint: str | None = field(default=None, metadata={"help": "Checkpoint folder to resume from, or `latest` for the newest complete one in output_dir. Same as train(resume_from_checkpoint=...)."})
-    overwrite_output_dir: bool = field(default=False, metadata={"help": "Start a new (not resumed) run in an output_dir that holds an earlier run's outputs: first deletes them, each by name directly inside output_dir (its checkpoint-* folders, final LoRA file or saved pipeline, log_history.jsonl, samples/, tensorboard folders, abandoned-after-step-* folders); other files are left alone. Without it such a run is refused."})
-    push_to_hub: bool = field(default=False, metadata={"help": "At the end of train(), after the final model is saved in output_dir, upload it (LoRA or pipeline) to the Hub with a model card. The Hub is checked at start; if the upload fails at the end, the model stays in output_dir and the error gives the command that pushes it later."})
-    hub_model_id: str | None = field(default=None, metadata={"help": "Hub repository (default: the output_dir's name)."})
-    hub_private_repo: bool | None = field(default=None, metadata={"help": "Create the Hub repository as private."})
-    hub_base_model: str | None = field(default=None, metadata={"help": "Hub id of the base model written in the model card (default: the pipeline's own name when it is a Hub id; a local path is never written)."})
-    hub_license: str | None = field(default=None, metadata={"help": "License of the pushed model (default: the base model's license, read from its Hub card)."})
-    hub_include_replay_buffer: bool = field(default=False, metadata={"help": "Also upload the trainer's replay buffer (OP-GRPO), as a `datasets` folder `replay_buffer/` of the model repository."})
-    disable_tqdm: bool = field(default=False, metadata={"help": "Hide the progress bar."})
+    eval_steps: int = field(default=0, metadata=meta("harmless",
+        "Evaluate every this many iterations (and before the first and after the last); 0 disables. Needs an "
+        "eval_dataset."))
+    eval_num_inference_steps: int = field(default=40, metadata=meta("harmless",
+        "ODE steps of the evaluation sampler (published: 40)."))
+    eval_guidance_scale: float | None = field(default=None, metadata=meta("harmless",
+        "Guidance of the evaluation (default: guidance_scale)."))
+    per_device_eval_batch_size: int = field(default=16, metadata=meta("harmless",
+        "Images per forward pass in evaluation."))
+    logging_steps: int = field(default=1, metadata=meta("harmless", "Log metrics every this many iterations."))
+    log_images_steps: int = field(default=0, metadata=meta("harmless",
+        "Write a grid of rollout images to output_dir/samples every this many iterations; 0 disables."))
+    report_to: list[str] | str = field(default="none", metadata=meta("harmless",
+        "Trackers for accelerate: none, all, wandb, tensorboard, or a list."))
+    save_steps: int = field(default=0, metadata=meta("harmless",
+        "Save a resumable checkpoint (accelerate save_state) every this many iterations; 0 disables."))
+    save_total_limit: int | None = field(default=None, metadata=meta("harmless",
+        "Keep at most this many checkpoints (oldest deleted)."))
+    resume_from_checkpoint: str | None = field(default=None, metadata=meta("harmless",
+        "Checkpoint folder to resume from, or `latest` for the newest complete one in output_dir. Same as "
+        "train(resume_from_checkpoint=...)."))
+    overwrite_output_dir: bool = field(default=False, metadata=meta("harmless",
+        "Start a new (not resumed) run in an output_dir that holds an earlier run's outputs: first deletes them, "
+        "each by name directly inside output_dir (its checkpoint-* folders, final LoRA file or saved pipeline, "
+        "log_history.jsonl, samples/, tensorboard folders, abandoned-after-step-* folders); other files are left "
+        "alone. Without it such a run is refused."))
+    push_to_hub: bool = field(default=False, metadata=meta("harmless",
+        "At the end of train(), after the final model is saved in output_dir, upload it (LoRA or pipeline) to the "
+        "Hub with a model card. The Hub is checked at start; if the upload fails at the end, the model stays in "
+        "output_dir and the error gives the command that pushes it later."))
+    hub_model_id: str | None = field(default=None, metadata=meta("harmless",
+        "Hub repository (default: the output_dir's name)."))
+    hub_private_repo: bool | None = field(default=None, metadata=meta("harmless",
+        "Create the Hub repository as private."))
+    hub_base_model: str | None = field(default=None, metadata=meta("notice",
+        "Hub id of the base model written in the model card (default: the pipeline's own name when it is a Hub id; a "
+        "local path is never written)."))
+    hub_license: str | None = field(default=None, metadata=meta("notice",
+        "License of the pushed model (default: the base model's license, read from its Hub card)."))
+    hub_include_replay_buffer: bool = field(default=False, metadata=meta("notice",
+        "Also upload the trainer's replay buffer (OP-GRPO), as a `datasets` folder `replay_buffer/` of the model "
+        "repository."))
+    disable_tqdm: bool = field(default=False, metadata=meta("harmless", "Hide the progress bar."))
     # ---- several processes ---------------------------------------------------------------------------------
-    ddp_timeout: float = field(default=1200.0, metadata={"help": "Seconds a collective operation (a gather, the gradient all-reduce, a barrier) waits for the other processes before it fails with an error naming this option: how long a run with a stopped or hung process waits before it stops by itself. Default 1200 (20 min), shorter than torch's 30 min for gloo and above reward_timeout's 900 s, so that a slow reward call on one process fails as its own RewardError first; it must also cover what one process does alone while the others wait (the main process's saves and Hub upload). Same name as transformers' TrainingArguments.ddp_timeout."})
+    ddp_timeout: float = field(default=1200.0, metadata=meta("notice",
+        "Seconds a collective operation (a gather, the gradient all-reduce, a barrier) waits for the other processes "
+        "before it fails with an error naming this option: how long a run with a stopped or hung process waits "
+        "before it stops by itself. Default 1200 (20 min), shorter than torch's 30 min for gloo and above "
+        "reward_timeout's 900 s, so that a slow reward call on one process fails as its own RewardError first; it "
+        "must also cover what one process does alone while the others wait (the main process's saves and Hub "
+        "upload). Same name as transformers' TrainingArguments.ddp_timeout."))
 
     def __post_init__(self):
         def need(cond, name, msg):

@@ -126,6 +126,8 @@ class DiffusionNFTTrainer(FlowRLTrainer):
 
     config_class = DiffusionNFTConfig
     _method_name = "diffusion_nft"
+    summary = ("DiffusionNFT: forward-process RL with implicit positive / negative policies, "
+               "any sampler, CFG-free (arXiv 2509.16117)")
     paper = "DiffusionNFT, arXiv 2509.16117"
     rollout_store = "final"  # the loss needs the final latents only
 

@@ -48,4 +48,5 @@ class FlowDPPOTrainer(FlowGRPOTrainer):
 
     config_class = FlowDPPOConfig
     _method_name = "flow_dppo"
+    summary = "Flow-DPPO: KL trust region instead of ratio clipping (arXiv 2606.11025)"
     paper = "Flow-DPPO, arXiv 2606.11025"

@@ -40,6 +40,7 @@ class FlowGRPOTrainer(FlowRLTrainer):
 
     config_class = FlowGRPOConfig
     _method_name = "flow_grpo"
+    summary = "Flow-GRPO (arXiv 2505.05470)"
     paper = "Flow-GRPO, arXiv 2505.05470"
 
     def compute_advantages(self, rollout):

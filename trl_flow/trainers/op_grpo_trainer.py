@@ -60,6 +60,7 @@ class OPGRPOTrainer(FlowGRPOTrainer):
 
     config_class = OPGRPOConfig
     _method_name = "op_grpo"
+    summary = "OP-GRPO: Flow-GRPO with off-policy replay (arXiv 2604.04142)"
     #: processes run different numbers of transformer forwards per iteration (replayed tails): refused under FSDP
     uneven_forwards = True
     paper = "OP-GRPO, arXiv 2604.04142"

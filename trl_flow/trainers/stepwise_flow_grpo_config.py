@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..config_fields import meta
+
 from .base_config import FlowRLConfig
 from .flow_grpo_config import FlowGRPOConfig
 
@@ -18,10 +20,29 @@ class StepwiseFlowGRPOConfig(FlowGRPOConfig):
     Flow-GRPO's `flow_sde`, chosen by measurement over the paper's `ddim` (named option; docs/stepwise_flow_grpo.md).
     The paper's group size, lr, clip, beta and eta are not public; the inherited defaults are used."""
 
-    sampler: str = field(default="flow_sde", metadata={"help": "Transition kernel of the rollout. Default `flow_sde` (a = noise_level), chosen by measurement: on the shapes benchmark's tier 1 (docs/stepwise_flow_grpo.md) it learned (strict 0.16 -> 0.64 +- 0.06, 3 seeds) where the paper's `ddim` did not (0.16 -> 0.31, also with a 5x wider clip), and on the tiny test pipeline ddim's tiny early stds dominate the gradient. `ddim` (the paper's kernel: std = eta s' sqrt(1 - s), eta = noise_level; its first step is deterministic and never trained) is the named option that reproduces the paper, used by the sd35m_stepwise_* recipes; `cps` works too."})
-    same_noise_per_group: bool = field(default=True, metadata={"help": "Give all trajectories of a group the same initial noise. On by default for Stepwise-Flow-GRPO (the paper's setting: the gains of a group then start from the same state)."})
-    num_substeps: int = field(default=2, metadata={"help": "T': deterministic Euler steps of the clean-image estimate at every state, from its sigma to 0 on a grid linear in sigma. Default 2, chosen by measurement (docs/stepwise_flow_grpo.md, issue 37): on the shapes benchmark's tier 2, T' = 2, 3 and 5 end within the seed noise of each other on both prompt sets, and T' = 2 costs about 1.2x a Flow-GRPO iteration against 2.4x at 5. The paper reports its results robust to T' in {2, 5, 8} and uses 5: set 5 to reproduce it (the sd35m_stepwise_* recipes do). 1 is the one-step (Tweedie) estimate x - sigma v, which reuses the rollout's velocity and costs no transformer call (it learned less here); each further substep costs one guided transformer evaluation per state."})
-    gain_normalization: str = field(default="joint", metadata={"help": "How per-step gains g_k = r_{k+1} - r_k become advantages: `joint` (the paper's: (g - mean) / std over all (trajectory, trained step) pairs of the group) or `per_step` (over the group's trajectories at each step separately; the ablation that converged more slowly). Replaces `scale_rewards`, which this trainer does not use."})
+    sampler: str = field(default="flow_sde", metadata=meta("refuse",
+        "Transition kernel of the rollout. Default `flow_sde` (a = noise_level), chosen by measurement: on the "
+        "shapes benchmark's tier 1 (docs/stepwise_flow_grpo.md) it learned (strict 0.16 -> 0.64 +- 0.06, 3 seeds) "
+        "where the paper's `ddim` did not (0.16 -> 0.31, also with a 5x wider clip), and on the tiny test pipeline "
+        "ddim's tiny early stds dominate the gradient. `ddim` (the paper's kernel: std = eta s' sqrt(1 - s), eta = "
+        "noise_level; its first step is deterministic and never trained) is the named option that reproduces the "
+        "paper, used by the sd35m_stepwise_* recipes; `cps` works too."))
+    same_noise_per_group: bool = field(default=True, metadata=meta("notice",
+        "Give all trajectories of a group the same initial noise. On by default for Stepwise-Flow-GRPO (the paper's "
+        "setting: the gains of a group then start from the same state)."))
+    num_substeps: int = field(default=2, metadata=meta("notice",
+        "T': deterministic Euler steps of the clean-image estimate at every state, from its sigma to 0 on a grid "
+        "linear in sigma. Default 2, chosen by measurement (docs/stepwise_flow_grpo.md, issue 37): on the shapes "
+        "benchmark's tier 2, T' = 2, 3 and 5 end within the seed noise of each other on both prompt sets, and T' = 2 "
+        "costs about 1.2x a Flow-GRPO iteration against 2.4x at 5. The paper reports its results robust to T' in {2, "
+        "5, 8} and uses 5: set 5 to reproduce it (the sd35m_stepwise_* recipes do). 1 is the one-step (Tweedie) "
+        "estimate x - sigma v, which reuses the rollout's velocity and costs no transformer call (it learned less "
+        "here); each further substep costs one guided transformer evaluation per state."))
+    gain_normalization: str = field(default="joint", metadata=meta("notice",
+        "How per-step gains g_k = r_{k+1} - r_k become advantages: `joint` (the paper's: (g - mean) / std over all "
+        "(trajectory, trained step) pairs of the group) or `per_step` (over the group's trajectories at each step "
+        "separately; the ablation that converged more slowly). Replaces `scale_rewards`, which this trainer does not "
+        "use."))
 
     def __post_init__(self):
         super().__post_init__()

@@ -95,6 +95,7 @@ class StepwiseFlowGRPOTrainer(FlowGRPOTrainer):
 
     config_class = StepwiseFlowGRPOConfig
     _method_name = "stepwise_flow_grpo"
+    summary = "Stepwise-Flow-GRPO: per-step credit from intermediate rewards (arXiv 2603.28718)"
     paper = "Stepwise-Flow-GRPO, arXiv 2603.28718"
     keep_velocities = True  # the first Euler substep of every estimate reuses the rollout's velocity
 
