@@ -189,6 +189,9 @@ BASE = dict(
     batch_layout="by_prompt",
 )
 
+# The trained steps, CFG and weight decay of UniRL's Flow-DPPO recipe (AllSDEScheduler: 3 of the first 5 of 10 steps)
+UNIRL_STEPS = dict(sde_steps_mode="random", sde_window_size=3, sde_window_range=5, guidance_scale=1.0, weight_decay=0.0)
+
 # label -> (registered trainer name, trl_flow.registered_trainers(); overrides of its config)
 METHODS = {
     "flow_grpo": ("grpo", {}),
@@ -205,6 +208,10 @@ METHODS = {
     # groups of 2 buffered + 2 fresh); Flow-GRPO at G = 4 is its reference
     "flow_grpo_g4": ("grpo", {"num_generations": 4}),
     "op_grpo_g4": ("op-grpo", {"num_generations": 4}),
+    # the reading where both descriptions hold (docs/op_grpo.md): G - 1 fresh + 1 buffered in EVERY group, one buffered
+    # trajectory per prompt, so 1 / 4 = 25% of the samples are replayed; late truncation (truncation_fraction's 0.1)
+    "op_grpo_g4_one": ("op-grpo",
+                       {"num_generations": 4, "replay_unit": "group", "off_policy_fraction": 1.0}),
     # OP-GRPO as it was before issue 38 (the committed results up to then): off_policy_fraction the share of GROUPS
     # replaying one buffered trajectory each, truncation at K // 2 = 5 (sigma 0.71, not late). The committed labels
     # map as: op_grpo -> op_grpo_legacy, op_grpo_per_step -> op_grpo_legacy_per_step, op_grpo_no_correction ->
@@ -243,6 +250,15 @@ METHODS = {
     "flow_grpo_2epochs": ("grpo", {"num_inner_epochs": 2}),
     "flow_dppo_symmetric": ("dppo", {"num_inner_epochs": 2, "kl_mask_mode": "symmetric"}),
     "op_grpo_kl_mask": ("op-grpo", {"trust_region": "kl_mask"}),
+    # Flow-DPPO as its released code trains (UniRL@1a7b501 sd3_flowdppo.yaml, flowdppo.py) at the tier's G and prompts:
+    # 3 random SDE steps among steps 0-4 of 10 (ODE elsewhere, only they trained), CFG 1, weight decay 0, the loss's
+    # step-0 std (1 - min(sigma, 0.99)), one pass; BASE's beta 0 and the default delta 1e-5 are the code's already.
+    # Not followed: its own-noise-per-sample rollout (BASE shares noise per group). `flow_grpo_unirl_steps` is the
+    # matched control: the same trained steps, CFG and weight decay with the ratio clip. Both at BASE's lr unless @lr.
+    # Evaluated at CFG 1 as trained (eval_guidance_scale follows guidance_scale), so their base differs from the
+    # tier's CFG-3 base: give the pair its own --out (e.g. shapes_tier2_unirl) and --reference flow_grpo_unirl_steps.
+    "flow_dppo_unirl": ("dppo", {**UNIRL_STEPS, "kl_mask_first_step": "clamp"}),
+    "flow_grpo_unirl_steps": ("grpo", UNIRL_STEPS),
     # Stepwise-Flow-GRPO: its own defaults (flow_sde since issue 16's measurement, shared noise per group, joint
     # normalisation) at the paper's T' = 5 (the default until issue 37's measurement, now 2: `stepwise_t2`), so the
     # committed `stepwise@...` runs keep their meaning

@@ -76,6 +76,30 @@ def test_run_config_layers_base_tier_pilot_method_and_learning_rate(tmp_path):
     mod.PILOT.clear()
 
 
+def test_released_form_labels_follow_the_code_at_the_tiers_batch(tmp_path):
+    """flow_dppo_unirl: UniRL's trained steps (3 random of steps 0-4), CFG 1, weight decay 0 and step-0 std, one
+    pass, at the tier's G and prompts; flow_grpo_unirl_steps the same steps with the clip. op_grpo_g4_one: every
+    group of 4 replays one buffered trajectory (25% of the samples), one per prompt in the buffer, late truncation."""
+    mod = _load()
+    dppo, tr = mod.run_config("flow_dppo_unirl", 0, 2, 5, str(tmp_path))
+    grpo, tr_g = mod.run_config("flow_grpo_unirl_steps", 0, 2, 5, str(tmp_path))
+    assert (tr.__name__, tr_g.__name__) == ("FlowDPPOTrainer", "FlowGRPOTrainer")
+    for cfg in (dppo, grpo):
+        assert (cfg.sde_steps_mode, cfg.sde_window_size, cfg.sde_window_range) == ("random", 3, 5)
+        assert (cfg.guidance_scale, cfg.weight_decay, cfg.num_inner_epochs, cfg.beta) == (1.0, 0.0, 1, 0.0)
+        assert (cfg.num_generations, cfg.prompts_per_step) == (16, 8)  # the tier's
+        assert cfg.learning_rate == mod.BASE["learning_rate"]
+    assert (dppo.kl_mask_first_step, dppo.trust_region, dppo.resolved_kl_mask_delta) == ("clamp", "kl_mask", 1e-5)
+    assert (grpo.kl_mask_first_step, grpo.trust_region) == ("next_sigma", "clip")
+    one, _ = mod.run_config("op_grpo_g4_one", 0, 2, 5, str(tmp_path))
+    assert one.num_generations == 4 and one.replay_per_prompt == 1
+    assert one.replay_sizes() == [1] * one.prompts_per_step  # 1 buffered + 3 fresh in every group
+    assert sum(one.replay_sizes()) / (one.prompts_per_step * one.num_generations) == 0.25
+    assert one.resolved_truncation_step == 8  # late: only the last trained step regenerated
+    g4, _ = mod.run_config("op_grpo_g4", 0, 2, 5, str(tmp_path))
+    assert g4.replay_sizes() == [2] * (g4.prompts_per_step // 2)  # the other reading: 2 + 2 in half the groups
+
+
 def _fake_run(label, seed, scores, kls, cpu_per_iter=10.0):
     """A run record of the harness's schema: an evaluation every 10 iterations with the given primary scores."""
     def ev(i, sc, kl):

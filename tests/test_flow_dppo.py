@@ -229,3 +229,112 @@ def test_docstring_example_runs(tmp_path, monkeypatch):
     assert trainer.config.sampler == "cps" and trainer.state.global_step == 2
     assert (tmp_path / "out" / "final" / "pytorch_lora_weights.safetensors").exists()
     check_invariants(trainer.state.log_history, 2)
+
+
+# ------------------------------------------------------- the released code's trained steps and step-0 std (UniRL)
+def _released_form(tmp_path, name, **kw):
+    """Flow-DPPO as UniRL's recipe trains it (3 random SDE steps among the first half of 10, ODE elsewhere, CFG 1,
+    no weight decay, its step-0 std in the KL), on the tiny pipeline."""
+    kw = {"num_inference_steps": 10, "sde_steps_mode": "random", "sde_window_size": 3, "sde_window_range": 5,
+          "kl_mask_first_step": "clamp", "guidance_scale": 1.0, "weight_decay": 0.0, "learning_rate": 1e-2, **kw}
+    return tiny_config(tmp_path, FlowDPPOConfig, output_dir=str(tmp_path / name), **kw)
+
+
+def test_random_sde_steps_are_k_distinct_steps_in_the_range_and_seeded(tmp_path):
+    """`sde_steps_mode="random"`: exactly sde_window_size SDE steps, distinct, all in [0, sde_window_range), drawn
+    from (seed, step) (the same trainer, a second trainer and a resumed run draw the same), not always consecutive,
+    and moving between iterations; `window` keeps its consecutive block."""
+    tr = FlowDPPOTrainer(_released_form(tmp_path, "a"), tiny_sd3_pipeline(), [brightness],
+                         train_dataset=list(PROMPTS))
+    again = FlowDPPOTrainer(_released_form(tmp_path, "b"), tiny_sd3_pipeline(), [brightness],
+                            train_dataset=list(PROMPTS))
+    other = FlowDPPOTrainer(_released_form(tmp_path, "c", seed=7), tiny_sd3_pipeline(), [brightness],
+                            train_dataset=list(PROMPTS))
+    draws = []
+    for step in range(20):
+        kinds = tr._step_kinds(step)
+        sde = [k for k, kind in enumerate(kinds) if kind != "ode"]
+        assert len(sde) == 3 and all(k < 5 for k in sde) and set(kinds) == {"flow_sde", "ode"}, (step, kinds)
+        assert kinds == tr._step_kinds(step) == again._step_kinds(step)
+        draws.append(tuple(sde))
+    assert len(set(draws)) > 3  # they move between iterations
+    assert any(d[-1] - d[0] > 2 for d in draws)  # not a consecutive window
+    assert any(other._step_kinds(s) != tr._step_kinds(s) for s in range(20))  # the seed matters
+    window = FlowDPPOConfig(**{**_released_form(tmp_path, "d").to_dict(), "sde_steps_mode": "window"})
+    tw = FlowDPPOTrainer(window, tiny_sd3_pipeline(), [brightness], train_dataset=list(PROMPTS))
+    for step in range(5):
+        sde = [k for k, kind in enumerate(tw._step_kinds(step)) if kind != "ode"]
+        assert sde == list(range(sde[0], sde[0] + 3)) and sde[0] < 5
+
+
+def test_random_sde_steps_config_checks(tmp_path):
+    for bad in ({"sde_window_range": 2}, {"sde_window_range": 10}, {"sde_steps_mode": "some"}):
+        with pytest.raises(ValueError, match="sde_window_range|sde_steps_mode"):
+            _released_form(tmp_path, "x", **bad)
+    with pytest.raises(ValueError, match="kl_mask_first_step"):
+        _released_form(tmp_path, "x", sampler="cps", noise_level=0.5)
+    with pytest.raises(ValueError, match="sde_window_size"):  # OP-GRPO replays fixed prefixes: refused as before
+        tiny_config(tmp_path, OPGRPOConfig, num_inference_steps=10, sde_window_size=3, sde_steps_mode="random")
+    assert _released_form(tmp_path, "x", sde_window_range=9).sde_window_range == 9  # any range before the last step
+
+
+def test_released_form_trains_only_the_drawn_steps_with_first_ratio_one(tmp_path, monkeypatch):
+    """Two iterations: each trains exactly its 3 drawn steps (the rest are ODE: no log-prob, never trained), the
+    first ratio of every iteration is exactly 1 and nothing has moved before the first update."""
+    tr = FlowDPPOTrainer(_released_form(tmp_path, "a", max_steps=2), tiny_sd3_pipeline(), [brightness],
+                         train_dataset=list(PROMPTS))
+    seen, rollouts = [], []
+    forward, make = tr.forward_step, tr.make_rollout
+    monkeypatch.setattr(tr, "forward_step", lambda r, idx, k, **a: seen[-1].add(k) or forward(r, idx, k, **a))
+    monkeypatch.setattr(tr, "make_rollout", lambda step: seen.append(set()) or rollouts.append(make(step))
+                        or rollouts[-1])
+    tr.train()
+    for step, (ks, ro) in enumerate(zip(seen, rollouts)):
+        drawn = {k for k, kind in enumerate(tr._step_kinds(step)) if kind != "ode"}
+        assert ks == drawn and len(drawn) == 3
+        assert ro.train_mask.any(0).nonzero().flatten().tolist() == sorted(drawn)
+        assert bool((ro.log_probs[:, sorted(set(range(10)) - drawn)] == 0).all())
+    check_invariants(tr.state.log_history, 2)
+
+
+def test_step0_std_rule_of_the_kl(tmp_path):
+    """`kl_mask_first_step="clamp"`: the old-vs-new KL at step 0 uses a sqrt(s / (1 - min(s, 0.99))) sqrt(s - s')
+    (UniRL's flowdppo.py), elsewhere the kernel's own std; `next_sigma` uses the kernel's std everywhere. The
+    rollout's std (and log-probs) do not change."""
+    tr = FlowDPPOTrainer(_released_form(tmp_path, "a"), tiny_sd3_pipeline(), [brightness],
+                         train_dataset=list(PROMPTS))
+    sig = tr.adapter.schedule(10, 32, 32).sigmas.cpu()
+    assert float(sig[0]) == 1.0
+    kernel_std = [0.7 * math.sqrt(float(sig[k]) / (1 - float(sig[k + 1] if k == 0 else sig[k])))
+                  * math.sqrt(float(sig[k] - sig[k + 1])) for k in range(9)]
+    rollout = SimpleNamespace(schedule=SimpleNamespace(sigmas=sig),
+                              extras={"step_kinds": ["flow_sde"] * 9 + ["ode"]})
+    for k in range(9):
+        out = SimpleNamespace(std=torch.tensor(kernel_std[k]), mean=torch.zeros(2, 4, 4, 4))
+        got = float(tr.kl_old_std(rollout, k, out).flatten()[0])
+        want = 0.7 * math.sqrt(1 / (1 - 0.99)) * math.sqrt(1 - float(sig[1])) if k == 0 else kernel_std[k]
+        assert math.isclose(got, want, rel_tol=1e-5), (k, got, want)
+    assert float(tr.kl_old_std(rollout, 0, out).flatten()[0]) > 1.5 * kernel_std[0]  # step 0 differs: can fail
+    tr.config.kl_mask_first_step = "next_sigma"
+    assert tr.kl_old_std(rollout, 0, out) is out.std  # the kernel's own
+
+
+def test_released_form_resumes_to_the_uninterrupted_run(tmp_path):
+    """The random steps come from (seed, step): a run stopped at step 2 and resumed draws the same steps and ends
+    bit for bit where an uninterrupted run does."""
+    def make(name, **kw):
+        return FlowDPPOTrainer(_released_form(tmp_path, name, **kw), tiny_sd3_pipeline(), [brightness],
+                               train_dataset=list(PROMPTS))
+
+    full = make("a", max_steps=4)
+    full.train()
+    part = make("b", max_steps=2, save_steps=2)
+    part.train()
+    del part
+    torch.manual_seed(1234)  # everything must come from the checkpoint and the seed
+    resumed = make("b", max_steps=4, save_steps=2)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-2"))
+    wa, wb = lora(full), lora(resumed)
+    assert wa and all(torch.equal(wa[n], wb[n]) for n in wa)
+    for a, b in zip(full.state.log_history[2:], resumed.state.log_history[2:]):
+        assert a["step"] == b["step"] and a["loss"] == b["loss"] and a["kl_old_max"] == b["kl_old_max"]

@@ -192,6 +192,22 @@ def test_truncation_step_equal_to_num_steps_keeps_whole_trajectory(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------- hybrid rollout
+def test_at_g4_both_descriptions_hold_one_buffered_in_every_group(tmp_path):
+    """The shapes label op_grpo_g4_one (docs/op_grpo.md): G = 4, every group replays (replay_unit="group",
+    off_policy_fraction 1): 3 fresh + 1 buffered per group, so 25% of the samples; one trajectory per prompt in the
+    buffer; late truncation (the default truncation_fraction: only the last trained step regenerated)."""
+    P, G = 4, 4
+    tr = make_trainer(tmp_path, prompts_per_step=P, num_generations=G, replay_unit="group", off_policy_fraction=1.0,
+                      truncation_step=None, per_device_train_batch_size=4)
+    assert tr.replay_buffer.per_prompt == 1 and tr.config.resolved_truncation_step == K - 2  # k_off 2 of 4
+    tr.make_rollout(0)
+    assert all(len([e for e in tr.replay_buffer if e.prompt == p]) == 1 for p in PROMPTS)
+    r = tr.make_rollout(1)
+    rep = replayed(r)
+    assert r.extras["metrics"]["off_policy_share"] == 0.25 and len(rep) == P
+    assert sorted(int(r.group_ids[i]) for i in rep) == list(range(P))  # one in every group
+
+
 def test_group_unit_replays_one_trajectory_in_a_share_of_groups(tmp_path):
     # replay_unit="group" (the form before issue 38): off_policy_fraction is the share of GROUPS, one buffered
     # trajectory each, one buffer entry per prompt

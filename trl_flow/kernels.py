@@ -31,6 +31,10 @@ from typing import Literal
 import torch
 
 SAMPLERS = ("flow_sde", "cps", "ddim", "ode")
+#: The ``1 - s`` in flow_sde's std where ``s`` is (near) 1: ``next_sigma`` uses ``s'`` at ``s = 1`` (Flow-GRPO's
+#: ``sd3_sde_with_logprob.py``, UniRL's rollout kernel); ``clamp`` uses ``1 - min(s, 0.99)`` at every step (UniRL's
+#: Flow-DPPO loss, ``unirl/algorithms/flowdppo.py`` ``_compute_sigma_t``).
+FIRST_STEP_STDS = ("next_sigma", "clamp")
 REDUCTIONS = ("mean", "sum")
 KL_FORMS = ("reference", "exact")
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
@@ -55,6 +59,29 @@ def _reduce(x: torch.Tensor, reduction: str) -> torch.Tensor:
     raise ValueError(f"logprob_reduction must be one of {REDUCTIONS}, got {reduction!r}")
 
 
+def flow_sde_std(sigma, sigma_next, noise_level: float, first_step: str = "next_sigma",
+                 ref: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """flow_sde's ``(std_dev_t^2, std)``: ``std_dev_t^2 = a^2 s / (1 - s~)``, ``std = std_dev_t sqrt(-dt)``.
+
+    ``first_step`` (:data:`FIRST_STEP_STDS`) says what ``s~`` is: ``next_sigma`` (default): ``s`` except ``s'`` at
+    ``s = 1``; ``clamp``: ``min(s, 0.99)``. At step 0 of SD3.5's 10-step schedule (diffusers, ``s' = 0.960``)
+    ``clamp``'s std is 2.00x ``next_sigma``'s (1.89x on UniRL's own, ``s' = 0.964``); they agree where
+    ``s <= 0.99``. Levels as in :func:`kernel_mean_std` (``ref``: the tensor they broadcast to; default: 0-d or (B,)
+    as given)."""
+    ref = torch.zeros(()) if ref is None else ref
+    s = _as_level(sigma, ref)
+    s_next = _as_level(sigma_next, ref)
+    if first_step == "next_sigma":
+        # sigma = 1 would divide by zero: use s' in the denominator there (as the reference code uses sigmas[1]).
+        denom = 1 - torch.where(s == 1, s_next, s)
+    elif first_step == "clamp":
+        denom = 1 - s.clamp(max=0.99)
+    else:
+        raise ValueError(f"first_step must be one of {FIRST_STEP_STDS}, got {first_step!r}")
+    var_t = noise_level**2 * s / denom  # std_dev_t^2 = a^2 s / (1 - s)
+    return var_t, torch.sqrt(var_t) * torch.sqrt(s - s_next)
+
+
 def kernel_mean_std(
     sampler: str, x: torch.Tensor, v: torch.Tensor, sigma, sigma_next, noise_level: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,11 +94,8 @@ def kernel_mean_std(
     if sampler == "ode":
         return x + dt * v, torch.zeros_like(s_next)
     if sampler == "flow_sde":
-        # sigma = 1 would divide by zero: use s' in the denominator there (as the reference code uses sigmas[1]).
-        denom = 1 - torch.where(s == 1, s_next, s)
-        var_t = noise_level**2 * s / denom  # std_dev_t^2 = a^2 s / (1 - s)
+        var_t, std = flow_sde_std(sigma, sigma_next, noise_level, ref=x)
         mean = x * (1 + var_t / (2 * s) * dt) + v * (1 + var_t * (1 - s) / (2 * s)) * dt
-        std = torch.sqrt(var_t) * torch.sqrt(-dt)
         return mean, std
     if sampler in ("cps", "ddim"):
         if sampler == "cps":

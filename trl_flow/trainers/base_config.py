@@ -1,7 +1,7 @@
 """Fields shared by every trl_flow trainer config.
 
 Names follow ``transformers.TrainingArguments`` where the meaning is the same and diffusers' pipeline arguments for
-sampling. Every field has ``metadata={"help": ...}`` so ``trl.TrlParser`` turns a config into a command line.
+sampling. Every field has ``metadata=meta(resume, help)`` (:mod:`trl_flow.config_fields`): how a resumed run treats a
 Invalid values raise ``ValueError`` in ``__post_init__`` naming the field and what is allowed.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from ..config_fields import meta
 
 from ..advantages import SCALE_REWARDS
-from ..kernels import KL_FORMS, REDUCTIONS, SAMPLERS
+from ..kernels import FIRST_STEP_STDS, KL_FORMS, REDUCTIONS, SAMPLERS
 from ..memory import OFFLOAD_MODES
 from ..trust_region import DEFAULT_KL_MASK_DELTA, KL_MASK_MODES, TRUST_REGIONS
 
@@ -21,6 +21,8 @@ from ..trust_region import DEFAULT_KL_MASK_DELTA, KL_MASK_MODES, TRUST_REGIONS
 GUIDANCE_GRADS = ("cond_only", "both")
 #: ``batch_layout``: the order of an iteration's samples (and so of the first update pass's microbatches).
 BATCH_LAYOUTS = ("mixed", "by_prompt")
+#: ``sde_steps_mode``: where the ``sde_window_size`` stochastic steps sit (consecutive, or drawn one by one).
+SDE_STEPS_MODES = ("window", "random")
 MAX_SEED = 2**32 - 1
 
 #: `transformers.get_scheduler` names usable here (stepped once per optimizer step, no extra arguments).
@@ -155,10 +157,17 @@ class FlowRLConfig:
     same_noise_per_group: bool = field(default=False, metadata=meta("notice",
         "Give all trajectories of a group the same initial noise."))
     sde_window_size: int = field(default=0, metadata=meta("notice",
-        "Flow-GRPO-Fast / MixGRPO window: if > 0, only this many consecutive steps are stochastic (start drawn in "
-        "[0, sde_window_range)), ODE elsewhere, and only they are trained. 0: every step but the last."))
+        "Flow-GRPO-Fast / MixGRPO window: if > 0, only this many steps are stochastic (consecutive, start drawn in "
+        "[0, sde_window_range); placed by `sde_steps_mode`), ODE elsewhere, and only they are trained. 0: every step "
+        "but the last."))
     sde_window_range: int | None = field(default=None, metadata=meta("notice",
-        "Window starts are drawn in [0, sde_window_range); default num_inference_steps // 2."))
+        "Window starts (`sde_steps_mode='random'`: the steps) are drawn in [0, sde_window_range); default "
+        "num_inference_steps // 2."))
+    sde_steps_mode: str = field(default="window", metadata=meta("notice",
+        "How the sde_window_size stochastic (trained) steps are placed, ODE elsewhere, drawn from (seed, step): "
+        "`window` (default, Flow-GRPO-Fast / MixGRPO): consecutive, start in [0, sde_window_range); `random`: "
+        "sde_window_size distinct steps in [0, sde_window_range), UniRL's AllSDEScheduler (its Flow-DPPO recipe: 3 "
+        "of steps 0-4 of 10)."))
     logprob_reduction: str = field(default="mean", metadata=meta("refuse",
         "Reduce the per-dimension log-density by `mean` (reference code; clip ranges ~1e-4) or `sum`."))
     # ---- objective -----------------------------------------------------------------------------------------------
@@ -195,6 +204,11 @@ class FlowRLConfig:
         "trust_region=`kl_mask`: `asymmetric` (Flow-DPPO: a step back toward the old policy is never masked) or "
         "`symmetric` (ABLATION only: mask every sample whose KL exceeds the threshold; the paper reports training "
         "collapses)."))
+    kl_mask_first_step: str = field(default="next_sigma", metadata=meta("notice",
+        "trust_region=`kl_mask`, flow_sde: the std of the old-vs-new KL, which differs only where sigma > 0.99 (step "
+        "0). `next_sigma` (default): the kernel's own (1 - sigma_next in the denominator at sigma = 1, Flow-GRPO's "
+        "and UniRL's rollout kernel); `clamp`: 1 - min(sigma, 0.99), UniRL's Flow-DPPO loss (flowdppo.py): 2.0x the "
+        "step-0 std on SD3.5's 10-step schedule. Log-probs are unchanged."))
     reward_weights: list[float] | None = field(default=None, metadata=meta("notice",
         "One weight per reward function (default: all 1)."))
     scale_rewards: str = field(default="batch", metadata=meta("notice",
@@ -293,6 +307,10 @@ class FlowRLConfig:
         need(self.trust_region in TRUST_REGIONS, "trust_region", f"must be one of {TRUST_REGIONS}")
         need(isinstance(self.clip_range, (int, float)) and 0 < self.clip_range < 1, "clip_range", "must be in (0, 1)")
         need(self.kl_mask_mode in KL_MASK_MODES, "kl_mask_mode", f"must be one of {KL_MASK_MODES}")
+        need(self.kl_mask_first_step in FIRST_STEP_STDS, "kl_mask_first_step", f"must be one of {FIRST_STEP_STDS}")
+        need(self.kl_mask_first_step == "next_sigma" or self.sampler == "flow_sde", "kl_mask_first_step",
+             "`clamp` is a rule of the flow_sde kernel's std; leave `next_sigma` for other samplers")
+        need(self.sde_steps_mode in SDE_STEPS_MODES, "sde_steps_mode", f"must be one of {SDE_STEPS_MODES}")
         need(self.kl_mask_delta is None or isinstance(self.kl_mask_delta, (int, float))
              and not isinstance(self.kl_mask_delta, bool) and math.isfinite(self.kl_mask_delta)
              and self.kl_mask_delta >= 0, "kl_mask_delta", "must be a finite number >= 0, or None for the default")
@@ -338,8 +356,13 @@ class FlowRLConfig:
         if self.sde_window_size:
             need(self.sde_window_size < self.num_inference_steps, "sde_window_size", f"must be < num_inference_steps={self.num_inference_steps}")
             rng = self.sde_window_range if self.sde_window_range is not None else max(1, self.num_inference_steps // 2)
-            need(rng >= 1 and rng + self.sde_window_size - 1 <= self.num_inference_steps - 1, "sde_window_range",
-                 f"window starts in [0, {rng}) plus size {self.sde_window_size} must end before the last step ({self.num_inference_steps - 1})")
+            if self.sde_steps_mode == "random":
+                need(self.sde_window_size <= rng <= self.num_inference_steps - 1, "sde_window_range",
+                     f"sde_steps_mode='random' draws {self.sde_window_size} distinct steps in [0, {rng}): the range "
+                     f"must hold them and end before the last step ({self.num_inference_steps - 1})")
+            else:
+                need(rng >= 1 and rng + self.sde_window_size - 1 <= self.num_inference_steps - 1, "sde_window_range",
+                     f"window starts in [0, {rng}) plus size {self.sde_window_size} must end before the last step ({self.num_inference_steps - 1})")
         if self.reward_weights is not None:
             need(all(math.isfinite(float(w)) for w in self.reward_weights), "reward_weights", "weights must be finite numbers")
         if self.report_to is None:  # TrlParser passes None for an unset list field

@@ -153,9 +153,12 @@ class FlowRLTrainer:
         sde = None
         if cfg.sde_window_size:
             rng = cfg.sde_window_range if cfg.sde_window_range is not None else max(1, K // 2)
-            start = int(torch.randint(0, rng, (1,), generator=self._generator(step, "window")))
             sde = torch.zeros(K, dtype=torch.bool)
-            sde[start : start + cfg.sde_window_size] = True
+            if cfg.sde_steps_mode == "random":  # k distinct steps in [0, rng) (UniRL's AllSDEScheduler)
+                sde[torch.randperm(rng, generator=self._generator(step, "sde_steps"))[: cfg.sde_window_size]] = True
+            else:
+                start = int(torch.randint(0, rng, (1,), generator=self._generator(step, "window")))
+                sde[start : start + cfg.sde_window_size] = True
         frozen = self.adapter.trainable_steps(self.adapter.schedule(K, cfg.height, cfg.width))
         if frozen is not None:  # steps of a frozen model (Wan2.2's untrained expert): deterministic, never trained
             sde = frozen if sde is None else sde & frozen

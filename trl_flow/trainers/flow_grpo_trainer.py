@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..advantages import group_advantages
+from ..kernels import flow_sde_std
 from ..losses import clipped_policy_loss, masked_mean
 from ..trust_region import kl_masked_policy_loss, old_policy_kl
 from .base_trainer import FlowRLTrainer
@@ -57,7 +58,7 @@ class FlowGRPOTrainer(FlowRLTrainer):
         cfg = self.config
         adv = rollout.advantages[idx, k] if rollout.advantages.ndim == 2 else rollout.advantages[idx]  # per step or not
         weights = self.importance_weights(rollout, idx, k)
-        kl_old = old_policy_kl(rollout.means[idx, k], out.mean, out.std)  # frozen mu_old vs mu_theta, (B,)
+        kl_old = old_policy_kl(rollout.means[idx, k], out.mean, self.kl_old_std(rollout, k, out))  # mu_old vs theta
         if cfg.trust_region == "kl_mask":
             loss, stats = kl_masked_policy_loss(out.log_prob, rollout.log_probs[idx, k], adv, kl_old,
                                                 cfg.resolved_kl_mask_delta, weights=weights, mode=cfg.kl_mask_mode)
@@ -70,6 +71,15 @@ class FlowGRPOTrainer(FlowRLTrainer):
             loss = loss + cfg.beta * kl
             stats["kl"] = kl.detach()
         return masked_mean(loss, rollout.train_mask[idx, k]), stats
+
+    def kl_old_std(self, rollout, k, out):
+        """The std of step ``k``'s old-vs-new KL: the kernel's, or with ``kl_mask_first_step="clamp"`` flow_sde's
+        with ``1 - min(sigma, 0.99)`` in the denominator (UniRL's Flow-DPPO loss)."""
+        cfg = self.config
+        if cfg.kl_mask_first_step == "next_sigma" or rollout.extras["step_kinds"][k] != "flow_sde":
+            return out.std
+        sig = rollout.schedule.sigmas
+        return flow_sde_std(sig[k], sig[k + 1], cfg.noise_level, "clamp", ref=out.mean)[1]
 
     #: Where ``importance_weights`` enter the clipped objective (:data:`trl_flow.losses.WEIGHT_PLACEMENTS`).
     weight_placement = "objective"
