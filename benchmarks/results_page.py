@@ -220,7 +220,7 @@ def significance(a, b=None, *, base: float | None = None, base_se: float = 0.0, 
     return {**out, "se": se, "t": t, "df": df, "p": p, "mdd": float(detectable(se, df)), "word": word}
 
 
-def test_text(r: dict) -> str:
+def stat_text(r: dict) -> str:
     """``t +3.2, df 2.0, p 0.085`` (or why there is no test) for a :func:`significance` result."""
     if r["t"] is None:
         return r["word"]
@@ -234,10 +234,10 @@ def welch_t(a, b) -> float | None:
     return significance(a, b)["t"]
 
 
-def one_sample_t(xs, base: float, base_se: float = 0.0) -> float | None:
-    """t of mean(xs) against ``base`` (with its standard error ``base_se``: :func:`significance`'s); None with fewer
-    than 2 values or no spread."""
-    return significance(xs, base=base, base_se=base_se)["t"]
+def one_sample_t(xs, base: float, base_se: float = 0.0, base_n: int | None = None) -> float | None:
+    """t of mean(xs) against ``base`` (with its standard error ``base_se`` from ``base_n`` images:
+    :func:`significance`'s); None with fewer than 2 values or no spread."""
+    return significance(xs, base=base, base_se=base_se, base_n=base_n)["t"]
 
 
 def extra_folders(panel: dict) -> tuple[str, ...]:
@@ -436,7 +436,7 @@ def nft_tier3_table(cfg: dict, free: dict) -> list[str]:
                 continue
             base = " / ".join(f"{p['base_by_split'][sp]:.3f}" for sp in ("val", "test"))
             r = significance(m["final"], ref["final"])
-            t = "reference" if m is ref else ("n/a (one seed)" if r["word"] == "too few seeds" else test_text(r))
+            t = "reference" if m is ref else ("n/a (one seed)" if r["word"] == "too few seeds" else stat_text(r))
             rows.append(f"| {name} | {label.split('@')[1]} | {len(m['seeds'])} | {base} | {fmt(ms(m['final']))} | "
                         f"{fmt(ms(m['final_by_split']['test']))} | {fmt(ms(m['kl']))} | {reached_cell(p, m)} | {t} |")
     return rows
@@ -456,7 +456,7 @@ def ablation_table(p: dict) -> list[str]:
             continue
         r = None if label == "op_grpo@0.001" or ref is None else significance(m["final"], ref["final"])
         vs = ("reference" if label == "op_grpo@0.001" else
-              "n/a (one seed)" if r is None or r["word"] == "too few seeds" else test_text(r))
+              "n/a (one seed)" if r is None or r["word"] == "too few seeds" else stat_text(r))
         clip = ms(m["clip_off"])
         clip_text = "n/a" if clip is None else (f"{100 * clip[0]:.1f}%" if clip[1] is None else fmt(clip, percent=True))
         rows.append(f"| {name} | {len(m['seeds'])} | {fmt(ms(m['final']))} | {vs} | {fmt(ms(m['kl']))} | {clip_text} |")
@@ -482,7 +482,7 @@ def cell(p: dict | None, a: str, b: str | None, field: str = "final",
         base = f"{p['base']:.3f}" + (f" (s.e. {p['base_se']:.3f})" if p.get("base_se") else "")
         if r["word"] == "too few seeds":  # one seed: no spread, no test
             return f"{base} -> {fmt(f)}", None
-        return f"{base} -> {fmt(f)}, {test_text(r)}", r
+        return f"{base} -> {fmt(f)}, {stat_text(r)}", r
     if field == "cpu_to_target" and not same_machine(p["methods"][a]["calibration"] + p["methods"][b]["calibration"]):
         return "runs of different or unrecorded machines: CPU not compared", None
     c = compare(p, a, b, field, better)
@@ -491,7 +491,7 @@ def cell(p: dict | None, a: str, b: str | None, field: str = "final",
     nd = 4 if field == "kl_at_target" else (0 if field in ("cpu_to_target", "steps_to_target") else 3)
     ratio = f" ({c['ratio']:.2f}x)" if field != "final" and c["ratio"] is not None else ""
     r = c["test"]
-    test = "" if r["word"] == "too few seeds" else f", {test_text(r)}"
+    test = "" if r["word"] == "too few seeds" else f", {stat_text(r)}"
     n_a, n_b = len(p["methods"][a][field]), len(p["methods"][b][field])
     reached = f", seeds reaching it {c['na']}/{n_a} vs {c['nb']}/{n_b}" if field.endswith("_target") else ""
     if reached and (c["na"] < n_a or c["nb"] < n_b):

@@ -551,7 +551,7 @@ def test_sharp_base_numbers_are_the_committed_summary():
     page = _results_page()
     r = page.gain(page.load_panel("tier3"), "flow_grpo@0.0005")
     assert r["word"] == "within the noise"
-    assert f"the final gain is within the noise: {page.test_text(r)}.)" in " ".join(bench.split())
+    assert f"the final gain is within the noise: {page.stat_text(r)}.)" in " ".join(bench.split())
 
 
 def test_flow_dppo_matched_numbers_are_the_committed_runs():
@@ -573,15 +573,15 @@ def test_flow_dppo_matched_numbers_are_the_committed_runs():
     assert kl_a["nb"] == len(p["methods"]["flow_grpo@0.001"]["seeds"]) - 1
     # the words: results_page.significance's
     assert one["test"]["word"] == two["test"]["word"] == "within the noise" and kl["test"]["p"] < 0.05
-    assert f"{kl['ratio']:.2f}x Flow-GRPO's on prompt set B ({page.test_text(kl['test'])})" in text
+    assert f"{kl['ratio']:.2f}x Flow-GRPO's on prompt set B ({page.stat_text(kl['test'])})" in text
     # two passes each on set B (the runs set B lacked until stop 49), and the KL at a matched score with two passes
     two_b = page.compare(page.load_panel("tier2b"), "flow_dppo@0.001", "flow_grpo_2epochs@0.001")
     assert f"(t {two['t']:.1f}; on prompt set B too, t {two_b['t']:.1f})" in text
     assert two_b["test"]["word"] == "within the noise"
     kl2 = [page.compare(q, "flow_dppo@0.001", "flow_grpo_2epochs@0.001", "kl_at_target")
            for q in (page.load_panel("tier2b"), p)]
-    assert (f"With two passes each it is {kl2[0]['ratio']:.2f}x on set B ({page.test_text(kl2[0]['test'])}) and "
-            f"{kl2[1]['ratio']:.2f}x on set A ({page.test_text(kl2[1]['test'])}), both within the noise") in text
+    assert (f"With two passes each it is {kl2[0]['ratio']:.2f}x on set B ({page.stat_text(kl2[0]['test'])}) and "
+            f"{kl2[1]['ratio']:.2f}x on set A ({page.stat_text(kl2[1]['test'])}), both within the noise") in text
     assert all(k["test"]["word"] == "within the noise" for k in kl2) and min(kl2[0]["na"], kl2[0]["nb"]) == 3
 
 
@@ -714,6 +714,13 @@ def test_stepwise_substeps_table_is_the_committed_summaries():
                 r = page.significance(d[label]["final_per_seed"], d["flow_grpo@0.001"]["final_per_seed"])
                 assert r["word"] == "within the noise", label
     t52 = t(a["stepwise@0.001"]["final_per_seed"], a["stepwise_t2@0.001"]["final_per_seed"])
+    # T' = 1 (the sweep folder's runs) against T' = 5 on set A: below it, within the noise
+    sweep = json.load(open(os.path.join(res, "shapes_tier2_lr", "summary.json")))["methods"]
+    one, five = (sweep[label] for label in ("stepwise_t1@0.001", "stepwise@0.001"))
+    r = page.significance(one["final_per_seed"], five["final_per_seed"], better="lower")
+    assert r["word"] == "within the noise" and r["t"] < 0
+    assert (f"({one['final_mean']:.3f} +- {one['final_std']:.3f} against {five['final_mean']:.3f} +- "
+            f"{five['final_std']:.3f}, {page.stat_text(r)})") in " ".join(docs.split())
     assert f"T' = 5 against T' = 2 on set A: t {t52:+.1f}" in docs
     assert page.significance(a["stepwise@0.001"]["final_per_seed"], a["stepwise_t2@0.001"]["final_per_seed"])[
         "word"] == "within the noise"
@@ -779,7 +786,7 @@ def test_op_grpo_ablation_tables_are_the_committed_summaries():
                  for label in rp.ABLATION_ROWS if label in p["methods"] and label != "op_grpo@0.001"}
         apart = {label: r for label, r in tests.items() if r["p"] is not None and r["p"] < 0.05}
         for label, r in apart.items():
-            quoted = f"{rp.ABLATION_ROWS[label]} ({rp.SHORT[panel]}, {rp.test_text(r)})"
+            quoted = f"{rp.ABLATION_ROWS[label]} ({rp.SHORT[panel]}, {rp.stat_text(r)})"
             separated[quoted] = t = r["t"]
             assert quoted in flat, (panel, label, t)
         quote = f"as often as the sequence weight ({rp.SHORT[panel]})"
@@ -853,8 +860,8 @@ def test_diffusion_nft_numbers_are_the_committed_results():
     steps = [page.compare(p, f"diffusion_nft@{lr}", f"flow_grpo@{lr}", "steps_to_target", "lower")
              for lr in ("0.0005", "0.002")]
     assert all(c["test"]["word"] == "within the noise" and 1.2 <= c["ratio"] < 1.35 for c in steps)
-    assert (f"within the noise at 5e-4 and 2e-3 ({page.test_text(steps[0]['test'])}; "
-            f"{page.test_text(steps[1]['test'])})") in flat
+    assert (f"within the noise at 5e-4 and 2e-3 ({page.stat_text(steps[0]['test'])}; "
+            f"{page.stat_text(steps[1]['test'])})") in flat
     readme = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
     fg_base = json.load(open(os.path.join(ROOT, "benchmarks", "results", "shapes_tier2_op", "results.json")))
     row = (f"3 seeds: {p['base']:.3f} -> " + " / ".join(f"{x:.3f}" for x in nft) + " at lr 5e-4 / 1e-3 / 2e-3 "
@@ -913,9 +920,9 @@ def test_diffusion_nft_tier3_numbers_are_the_committed_results():
     r_test = [page.significance(m["final_by_split"]["test"], ref["final_by_split"]["test"], better="lower")
               for m in free_rates]
     assert (f"({page.fmt(page.ms(m['final_by_split']['test']))} against "
-            f"{page.fmt(page.ms(ref['final_by_split']['test']))}, Welch {page.test_text(r_test[1])})") in flat
+            f"{page.fmt(page.ms(ref['final_by_split']['test']))}, Welch {page.stat_text(r_test[1])})") in flat
     assert [r["word"] for r in r_test] == ["within the noise", "holds", "within the noise"] and max(t_test) < 0
-    assert f"within it at 5e-4 and 2e-3 ({page.test_text(r_test[0])}; {page.test_text(r_test[2])})" in flat
+    assert f"within it at 5e-4 and 2e-3 ({page.stat_text(r_test[0])}; {page.stat_text(r_test[2])})" in flat
 
 
 def test_set_a_cpu_reference_runs_repeat_the_committed_scores_and_give_the_cpu_claims():
@@ -969,7 +976,7 @@ def test_diffusion_nft_with_cfg_numbers_are_the_committed_results():
         r = page.significance(a["final"], b["final"])
         row = (f"| {lr} | {len(a['seeds'])} | {page.fmt(page.ms(a['final']))} | {page.fmt(page.ms(a['kl']))} | {reach(a)} | "
                f"{page.fmt(page.ms(b['final']))} | {page.fmt(page.ms(b['kl']))} | {reach(b)} | "
-               + ("n/a (one seed)" if r["t"] is None else page.test_text(r)) + " |")
+               + ("n/a (one seed)" if r["t"] is None else page.stat_text(r)) + " |")
         assert row in flat, row
     a, b = p["methods"]["diffusion_nft_cfg@0.001"], p["methods"]["flow_grpo@0.001"]
     t = page.welch_t(a["final"], b["final"])
@@ -980,10 +987,10 @@ def test_diffusion_nft_with_cfg_numbers_are_the_committed_results():
     # iterations to the target at 5e-4: the interpolated crossings (the page's), within the noise at 3 seeds
     c = page.compare(p, "diffusion_nft_cfg@0.0005", "flow_grpo@0.0005", "steps_to_target", "lower")
     assert (f"(interpolated crossings {page.fmt(c['a'], 0)} against {page.fmt(c['b'], 0)}: {c['ratio']:.2f}x, "
-            f"{page.test_text(c['test'])}, all seeds reaching it)") in flat
+            f"{page.stat_text(c['test'])}, all seeds reaching it)") in flat
     assert c["test"]["word"] == "within the noise" and c["t"] < 0 and c["na"] == c["nb"] == 3
     c = page.compare(p, "diffusion_nft_cfg@0.002", "flow_grpo@0.002", "steps_to_target", "lower")
-    quoted = f"{page.fmt(c['a'], 0)} against {page.fmt(c['b'], 0)} ({page.test_text(c['test'])}, within the noise)"
+    quoted = f"{page.fmt(c['a'], 0)} against {page.fmt(c['b'], 0)} ({page.stat_text(c['test'])}, within the noise)"
     assert quoted in flat
     assert c["test"]["word"] == "within the noise"
     readme = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
