@@ -5,10 +5,10 @@
 
 Every number on the page comes from a committed ``benchmarks/results/<folder>/results.json`` (each run's evaluation
 curve) through :func:`claims`; tests/test_docs.py re-renders the page and compares it with the committed one. One
-rule for every claimed difference (issue 37): two methods are compared at the same samples and optimizer steps per
-iteration, or the row says which side gets more and names the control. A difference is called one when Welch's t
-over seeds reaches ``T_DIFF`` (about p = 0.05 two-sided at 4 degrees of freedom, 3 seeds a side); below that the
-verdict is "within the noise".
+rule for every claimed difference: two methods are compared at the same samples and optimizer steps per iteration,
+or the row says which side gets more and names the control. Every verdict, here and in the docs that quote one,
+comes from :func:`significance` (Welch's test with Welch-Satterthwaite df; a gain over the base with the base's own
+binomial error; two-sided p < 0.05; see its docstring and ``RULE``, the page's paragraph).
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 PAGE = os.path.join(ROOT, "docs", "results.md")
 FIGURES = os.path.join(ROOT, "docs", "figures")
-T_DIFF = 2.78
+# the last commit before benchmarks/shapes.py recorded each run's code: the runs that lack that record were committed
+# by then, so the commits that committed them are the history up to it (a later commit never changes that list)
+CODE_RECORDED_AFTER = "a0af8351e83ce22d98c1a519fddf49760cf73faa"
 
 # OP-GRPO's described ablations (issue 38), each against the described form at lr 1e-3; Flow-GRPO last.
 OP_ABLATIONS = {"op_grpo@0.001": "OP-GRPO (described form)",
@@ -113,6 +115,24 @@ PANELS = {
 
 
 # ------------------------------------------------------------------------------------------------- statistics
+ALPHA = 0.05  # two-sided level of every verdict
+POWER = 0.8  # the power at which a row's smallest detectable difference is stated
+
+RULE = ("One rule for every difference, from one function (`results_page.significance`): two methods are compared at "
+        "the same samples and optimizer steps per iteration, or the row says which side gets more. Two methods: "
+        "Welch's t over seeds, with Welch-Satterthwaite degrees of freedom. A method against the base: the seeds' "
+        "mean against the base score, whose own sampling error (one evaluation of n images: binomial standard error "
+        "sqrt(p (1 - p) / n)) is a second variance term: Welch's test of the seeds against the base's n images, "
+        "Welch-Satterthwaite df with n - 1 for the base's term (the seeds' n - 1 when the base's error is small, more"
+        " as it dominates; so p can fall below that of taking the base as exact). A base whose image count is not "
+        "recorded is taken as exact: a one-sample t at the seeds' n - 1 df. Each cell gives t, df and the two-sided p"
+        " (scipy.stats); the verdict is *holds* (or *the opposite*) at p < 0.05 and *within the noise* otherwise, and"
+        " *no spread* where every seed of both sides gave the same value (no test is defined). Each row also gives "
+        "the smallest difference its seeds could detect: the true difference at which the same test reaches p < 0.05 "
+        "with 80% power, from the noncentral t distribution at the observed standard error and df (normal where df is"
+        " infinite), in the units of the compared value. A claim not yet measured in the paper's form says so.")
+
+
 def ms(xs) -> tuple[float, float] | None:
     xs = [x for x in xs if x is not None]
     if not xs:
@@ -120,22 +140,104 @@ def ms(xs) -> tuple[float, float] | None:
     return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else None)  # None: one seed, no spread
 
 
+def binomial_se(p: float, n: int | None) -> float:
+    """The standard error of an accuracy ``p`` measured on ``n`` images, sqrt(p (1 - p) / n); 0 without ``n``."""
+    return math.sqrt(p * (1 - p) / n) if n else 0.0
+
+
+def detectable(se: float, df: float, alpha: float = ALPHA, power: float = POWER) -> float:
+    """The smallest true difference a two-sided test at ``alpha`` with standard error ``se`` and ``df`` degrees of
+    freedom detects with probability ``power``: delta with P(|T| > t_crit) = power, T noncentral t (df, delta / se);
+    the normal approximation (z_crit + z_power) * se where df is infinite."""
+    from scipy import optimize, stats
+
+    if math.isinf(df):
+        return (stats.norm.ppf(1 - alpha / 2) + stats.norm.ppf(power)) * se
+    crit = stats.t.ppf(1 - alpha / 2, df)
+
+    def short(nc):
+        wrong_side = stats.nct.cdf(-crit, df, nc)  # tiny; scipy gives NaN for some large nc
+        return stats.nct.sf(crit, df, nc) + (0.0 if math.isnan(wrong_side) else wrong_side) - power
+
+    hi = crit  # power there is about one half; double until it passes ``power``
+    while short(hi) < 0:
+        hi *= 2
+    return optimize.brentq(short, 0.0, hi) * se
+
+
+def significance(a, b=None, *, base: float | None = None, base_se: float = 0.0, base_n: int | None = None,
+                 better: str | None = None) -> dict:
+    """The one test behind every verdict on the results page and in the docs that quote one.
+
+    * ``b`` given: Welch's t of mean(a) - mean(b), se^2 = s_a^2 / n_a + s_b^2 / n_b, Welch-Satterthwaite df
+      se^4 / ((s_a^2 / n_a)^2 / (n_a - 1) + (s_b^2 / n_b)^2 / (n_b - 1)).
+    * ``base`` given: mean(a) - base, se^2 = s_a^2 / n_a + base_se^2 (``base_se``: the base score's own sampling
+      error, :func:`binomial_se` of its ``base_n`` images): Welch's test of the seeds against the base's images,
+      Welch-Satterthwaite df se^4 / ((s_a^2 / n_a)^2 / (n_a - 1) + base_se^4 / (base_n - 1)) (the base's term at
+      infinite df without ``base_n``). With ``base_se`` 0 this is the one-sample t at n_a - 1 df. The base's term
+      adds variance but also df (its variance is known from many images), so p may fall below the p that takes
+      the base as exact where the seeds' spread was the larger uncertainty.
+    * neither: mean(a) against 0 (a one-sample t at n_a - 1 df).
+
+    p is two-sided (scipy.stats.t, or the normal at infinite df). ``word``: "holds" at p < ``ALPHA`` in the
+    direction ``better`` ("higher": a above b or the base; "lower"), "the opposite" at p < ``ALPHA`` the other way
+    (without ``better``: "differs"), else "within the noise"; "no spread" where the standard error is 0 (every seed
+    of every side the same value: no test is defined, nothing is divided by it); "too few seeds" with fewer than 2
+    values on a side. ``mdd``: :func:`detectable` at this test's se and df. Returns {"diff", "se", "t", "df", "p",
+    "mdd", "word", "na", "nb"}."""
+    from scipy import stats
+
+    xa = [float(x) for x in a if x is not None]
+    xb = None if b is None else [float(x) for x in b if x is not None]
+    out = {"diff": None, "se": None, "t": None, "df": None, "p": None, "mdd": None, "na": len(xa),
+           "nb": None if xb is None else len(xb)}
+    if len(xa) < 2 or (xb is not None and len(xb) < 2):
+        return {**out, "word": "too few seeds"}
+    terms = [(statistics.variance(xa) / len(xa), len(xa) - 1)]  # (variance of the mean, its df)
+    if xb is not None:
+        terms.append((statistics.variance(xb) / len(xb), len(xb) - 1))
+        ref = statistics.mean(xb)
+    else:
+        ref = 0.0 if base is None else base
+        if base is not None and base_se:
+            terms.append((base_se ** 2, base_n - 1 if base_n else math.inf))
+    diff = statistics.mean(xa) - ref
+    var = sum(v for v, _ in terms)
+    out["diff"] = diff
+    if var == 0:
+        return {**out, "se": 0.0, "word": "no spread"}
+    finite = sum(v * v / d for v, d in terms if not math.isinf(d))
+    df = var * var / finite if finite else math.inf
+    se = math.sqrt(var)
+    t = diff / se
+    p = float(2 * (stats.norm.sf(abs(t)) if math.isinf(df) else stats.t.sf(abs(t), df)))
+    if p >= ALPHA:
+        word = "within the noise"
+    elif better is None:
+        word = "differs"
+    else:
+        word = "holds" if (t > 0) == (better == "higher") else "the opposite"
+    return {**out, "se": se, "t": t, "df": df, "p": p, "mdd": float(detectable(se, df)), "word": word}
+
+
+def stat_text(r: dict) -> str:
+    """``t +3.2, df 2.0, p 0.085`` (or why there is no test) for a :func:`significance` result."""
+    if r["t"] is None:
+        return r["word"]
+    df = "inf" if math.isinf(r["df"]) else f"{r['df']:.1f}"
+    p = "p < 0.001" if r["p"] < 0.001 else f"p {r['p']:.3f}"
+    return f"t {r['t']:+.1f}, df {df}, {p}"
+
+
 def welch_t(a, b) -> float | None:
-    """Welch's t of mean(a) - mean(b); None with fewer than 2 values a side."""
-    if len(a) < 2 or len(b) < 2:
-        return None
-    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
-    d = statistics.mean(a) - statistics.mean(b)
-    return math.copysign(math.inf, d) if va + vb == 0 and d else (d / math.sqrt(va + vb) if va + vb else 0.0)
+    """Welch's t of mean(a) - mean(b) (:func:`significance`'s); None with fewer than 2 values a side or no spread."""
+    return significance(a, b)["t"]
 
 
-def one_sample_t(xs, base: float) -> float | None:
-    """One-sample t of mean(xs) against ``base``; None with fewer than 2 values."""
-    xs = [x for x in xs if x is not None]
-    if len(xs) < 2:
-        return None
-    d, sd = statistics.mean(xs) - base, statistics.stdev(xs)
-    return d / (sd / math.sqrt(len(xs))) if sd else math.copysign(math.inf, d)
+def one_sample_t(xs, base: float, base_se: float = 0.0, base_n: int | None = None) -> float | None:
+    """t of mean(xs) against ``base`` (with its standard error ``base_se`` from ``base_n`` images:
+    :func:`significance`'s); None with fewer than 2 values or no spread."""
+    return significance(xs, base=base, base_se=base_se, base_n=base_n)["t"]
 
 
 def extra_folders(panel: dict) -> tuple[str, ...]:
@@ -155,6 +257,7 @@ def load_panel(name: str) -> dict | None:
     summary = data["summary"]
     split, key, target = summary["split"], summary["score_key"], summary["target"]
     runs_of = {label: [r for r in data["runs"] if r["method"] == label] for label in panel["methods"]}
+    from_folder = {label: panel["folder"] for label in panel["methods"] if runs_of[label]}
     extras = extra_folders(panel)
     for side in dict.fromkeys([*extras, panel.get("target_from")]):
         # other folders of the same tier and prompts: their runs of labels this folder lacks (the first folder that
@@ -170,10 +273,20 @@ def load_panel(name: str) -> dict | None:
             target = other["summary"]["target"]
         if side in extras:
             for label in panel["methods"]:
-                runs_of[label] = runs_of[label] or [r for r in other["runs"] if r["method"] == label]
-    out = {"base": summary["base"],
+                if not runs_of[label]:
+                    runs_of[label] = [r for r in other["runs"] if r["method"] == label]
+                    from_folder.update({label: side} if runs_of[label] else {})
+    # the base is one evaluation (each run's step 0, the same images): its image count gives its binomial error
+    counts = {r["evals"][0][split]["overall"].get("n") for r in data["runs"]
+              if r["evals"] and r["evals"][0]["step"] == 0 and abs(r["evals"][0][split]["overall"][key]
+                                                                    - summary["base"]) < 1e-9}
+    base_n = counts.pop() if len(counts) == 1 else None  # None: not recorded (or ambiguous): the base taken as exact
+    out = {"base": summary["base"], "base_n": base_n, "base_se": binomial_se(summary["base"], base_n),
            "base_by_split": {sp: b[key] for sp, b in summary.get("base_by_split", {}).items()},  # older summaries: none
-           "target": target, "split": split, "score": key, "methods": {}}
+           "target": target, "split": split, "score": key, "methods": {},
+           # the folders whose shown runs do not record the code they ran (runs made before they did)
+           "without_code": sorted({from_folder[label] for label, runs in runs_of.items()
+                                   if any("code" not in r for r in runs)})}
     for label in panel["methods"]:
         runs = sorted(runs_of[label], key=lambda r: r["seed"])
         if not runs:
@@ -183,13 +296,28 @@ def load_panel(name: str) -> dict | None:
             return next((e[field] for e in r["evals"] if target is not None
                          and e[split]["overall"][key] >= target - 1e-9), None)
 
+        def crossing(r):
+            """The iteration at which the run's score crosses the target, linear between the two evaluations that
+            bracket it (evaluations are every 10 iterations or so); None where it never does."""
+            evals = r["evals"]
+            for i, e in enumerate(evals):
+                y = e[split]["overall"][key]
+                if target is None or y < target - 1e-9:
+                    continue
+                if i == 0:
+                    return float(e["step"])
+                s0, y0 = evals[i - 1]["step"], evals[i - 1][split]["overall"][key]
+                return s0 + (e["step"] - s0) * (target - y0) / (y - y0)
+            return None
+
         out["methods"][label] = {
             "seeds": [r["seed"] for r in runs],
             "final": [r["evals"][-1][split]["overall"][key] for r in runs],
             "final_by_split": {sp: [r["evals"][-1][sp]["overall"][key] for r in runs]
                                for sp in runs[0]["evals"][-1] if isinstance(runs[0]["evals"][-1][sp], dict)},
             "kl": [r["evals"][-1]["kl"] for r in runs],
-            "steps_to_target": [reach(r, "step") for r in runs],
+            "steps_to_target": [crossing(r) for r in runs],  # interpolated between evaluations
+            "steps_to_target_raw": [reach(r, "step") for r in runs],  # the first evaluation reaching it
             "cpu_to_target": [reach(r, "cpu_s") for r in runs],
             "kl_at_target": [reach(r, "kl") for r in runs],
             "cpu_per_iter": [r["cpu_s"] / len(r["iterations"]) for r in runs],
@@ -217,16 +345,24 @@ def fmt(pair, nd=3, percent=False) -> str:
     return f"{pair[0]:.{nd}f} (1 seed)" if pair[1] is None else f"{pair[0]:.{nd}f} +- {pair[1]:.{nd}f}"
 
 
-def compare(p: dict, a: str, b: str, field: str = "final") -> dict | None:
-    """a against b on one per-seed field: means, ratio of means, Welch t."""
+def compare(p: dict, a: str, b: str, field: str = "final", better: str | None = None) -> dict | None:
+    """a against b on one per-seed field: means, ratio of means and :func:`significance`'s test (``test``; its t
+    also as ``t``)."""
     ma, mb = p["methods"].get(a), p["methods"].get(b)
     if not ma or not mb:
         return None
     xa, xb = [x for x in ma[field] if x is not None], [x for x in mb[field] if x is not None]
     if not xa or not xb:
         return None
-    return {"a": ms(xa), "b": ms(xb), "na": len(xa), "nb": len(xb), "t": welch_t(xa, xb),
+    test = significance(xa, xb, better=better)
+    return {"a": ms(xa), "b": ms(xb), "na": len(xa), "nb": len(xb), "t": test["t"], "test": test,
             "ratio": statistics.mean(xa) / statistics.mean(xb) if statistics.mean(xb) else None}
+
+
+def gain(p: dict, a: str, field: str = "final", better: str | None = "higher") -> dict:
+    """:func:`significance` of a run's per-seed values against the panel's base, with the base's binomial error."""
+    return significance(p["methods"][a][field], base=p["base"], base_se=p.get("base_se", 0.0),
+                        base_n=p.get("base_n"), better=better)
 
 
 # ------------------------------------------------------------------------------------------------- quoted tables
@@ -246,19 +382,47 @@ def folders_note(panel: dict) -> str:
     return text
 
 
-def reached_cell(p: dict, m: dict) -> str:
-    """Iterations to the panel's target: mean +- std over the seeds that reached it (n of seeds)."""
-    steps = [s for s in m["steps_to_target"] if s is not None]
+def reached_cell(p: dict, m: dict, field: str = "steps_to_target_raw", nd: int = 0) -> str:
+    """Iterations to the panel's target (``field``: the first evaluation reaching it, or ``steps_to_target``,
+    interpolated): mean +- std over the seeds that reached it (n of seeds)."""
+    steps = [s for s in m[field] if s is not None]
     if steps:  # one value has no spread: the count says it is one seed's
-        return f"{steps[0] if len(steps) == 1 else fmt(ms(steps), 0)} ({len(steps)} of {len(m['seeds'])})"
+        one = f"{steps[0]:.{nd}f}" if nd else f"{steps[0]:g}"
+        return f"{one if len(steps) == 1 else fmt(ms(steps), nd)} ({len(steps)} of {len(m['seeds'])})"
     return "not reached" if p["target"] is not None else "no target on this panel"
+
+
+def committed_in(folder: str) -> list[str]:
+    """The commits (short hashes, newest first) that changed ``folder``'s results.json up to ``CODE_RECORDED_AFTER``
+    (runs made later record their own code); [] without git."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "log", "--format=%h", "--abbrev=10", CODE_RECORDED_AFTER, "--",
+                              os.path.join("benchmarks", "results", folder, "results.json")],
+                             cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return []
+    return out.split()
+
+
+def committed_note(p: dict) -> str:
+    """For each folder of a panel whose runs do not record the code they ran, the commits that committed its results:
+    when a run was made is not recorded, only when its results were committed."""
+    parts = []
+    for folder in p.get("without_code", []):
+        commits = committed_in(folder)
+        parts.append(f"`benchmarks/results/{folder}/` committed in "
+                     + (", ".join(commits) if commits else "(no git history here)"))
+    return (" Runs without a record of the code they ran: " + "; ".join(parts) + ".") if parts else ""
 
 
 def nft_tier3_table(cfg: dict, free: dict) -> list[str]:
     """docs/diffusion_nft.md's tier-3 table from the ``nft_t3_cfg`` and ``nft_t3`` panels: Flow-GRPO with CFG (tier
     3's one committed rate) and DiffusionNFT with and without CFG at each committed rate: final strict on the held-out
-    val and test splits, KL to the base, iterations to the tier's target (an absolute val score), Welch t of the
-    final val score against Flow-GRPO; mean +- std over seeds (tests/test_docs.py checks the page against this)."""
+    val and test splits, KL to the base, iterations to the tier's target (an absolute val score; the first evaluation
+    reaching it), Welch's test (:func:`significance`: t, df, p) of the final val score against Flow-GRPO; mean +- std
+    over seeds (tests/test_docs.py checks the page against this)."""
     ref = cfg["methods"]["flow_grpo@0.001"]
     rows = ["| run | lr | seeds | base val / test | final val strict | final test strict | KL to the base | "
             f"iterations to {cfg['target']:.3f} | t vs Flow-GRPO, val |", "|---|---|---|---|---|---|---|---|---|"]
@@ -271,8 +435,8 @@ def nft_tier3_table(cfg: dict, free: dict) -> list[str]:
             if m is None:
                 continue
             base = " / ".join(f"{p['base_by_split'][sp]:.3f}" for sp in ("val", "test"))
-            t = welch_t(m["final"], ref["final"])
-            t = "reference" if m is ref else ("n/a (one seed)" if t is None else f"{t:+.1f}")
+            r = significance(m["final"], ref["final"])
+            t = "reference" if m is ref else ("n/a (one seed)" if r["word"] == "too few seeds" else stat_text(r))
             rows.append(f"| {name} | {label.split('@')[1]} | {len(m['seeds'])} | {base} | {fmt(ms(m['final']))} | "
                         f"{fmt(ms(m['final_by_split']['test']))} | {fmt(ms(m['kl']))} | {reached_cell(p, m)} | {t} |")
     return rows
@@ -280,7 +444,8 @@ def nft_tier3_table(cfg: dict, free: dict) -> list[str]:
 
 def ablation_table(p: dict) -> list[str]:
     """docs/op_grpo.md's ablation table for one panel (``tier2op_ablations`` or ``sparse_ablations``): per committed
-    run, its seeds, final score, Welch t of the final score against the described form, KL to the base and
+    run, its seeds, final score, Welch's test of the final score against the described form (:func:`significance`:
+    t, df, p), KL to the base and
     off-policy clip fraction, mean +- std over seeds (tests/test_docs.py checks the page against this)."""
     rows = ["| run | seeds | final strict | vs the described form | KL to the base | off-policy clip fraction |",
             "|---|---|---|---|---|---|"]
@@ -289,8 +454,9 @@ def ablation_table(p: dict) -> list[str]:
         m = p["methods"].get(label)
         if m is None:
             continue
-        t = None if label == "op_grpo@0.001" or ref is None else welch_t(m["final"], ref["final"])
-        vs = "reference" if label == "op_grpo@0.001" else ("n/a (one seed)" if t is None else f"t {t:+.1f}")
+        r = None if label == "op_grpo@0.001" or ref is None else significance(m["final"], ref["final"])
+        vs = ("reference" if label == "op_grpo@0.001" else
+              "n/a (one seed)" if r is None or r["word"] == "too few seeds" else stat_text(r))
         clip = ms(m["clip_off"])
         clip_text = "n/a" if clip is None else (f"{100 * clip[0]:.1f}%" if clip[1] is None else fmt(clip, percent=True))
         rows.append(f"| {name} | {len(m['seeds'])} | {fmt(ms(m['final']))} | {vs} | {fmt(ms(m['kl']))} | {clip_text} |")
@@ -304,32 +470,47 @@ SHORT = {"tier2": "set A", "tier2b": "set B", "tier2op": "set A", "sparse": "spa
          "tier3": "tier 3"}
 
 
-def cell(p: dict | None, a: str, b: str | None, field: str = "final") -> tuple[str, float | None]:
-    """One measured comparison as a short cell and its t: ``a`` against ``b`` (Welch), or against the base (``b``
-    None: one-sample t)."""
+def cell(p: dict | None, a: str, b: str | None, field: str = "final",
+         better: str | None = None) -> tuple[str, dict | None]:
+    """One measured comparison as a short cell and its :func:`significance` result (None: no test): ``a`` against
+    ``b`` (Welch), or against the base (``b`` None: the seeds' mean against the base and its binomial error)."""
     if p is None or a not in p["methods"] or (b is not None and b not in p["methods"]):
         return "not measured yet", None
     if b is None:
         f = ms(p["methods"][a][field])
-        t = one_sample_t(p["methods"][a][field], p["base"])
-        if t is None:  # one seed: no spread, no t
-            return f"{p['base']:.3f} -> {fmt(f)}", None
-        return f"{p['base']:.3f} -> {fmt(f)}, t {t:+.1f}", t
+        r = gain(p, a, field, better)
+        base = f"{p['base']:.3f}" + (f" (s.e. {p['base_se']:.3f})" if p.get("base_se") else "")
+        if r["word"] == "too few seeds":  # one seed: no spread, no test
+            return f"{base} -> {fmt(f)}", None
+        return f"{base} -> {fmt(f)}, {stat_text(r)}", r
     if field == "cpu_to_target" and not same_machine(p["methods"][a]["calibration"] + p["methods"][b]["calibration"]):
         return "runs of different or unrecorded machines: CPU not compared", None
-    c = compare(p, a, b, field)
+    c = compare(p, a, b, field, better)
     if c is None:
         return "target not reached", None
     nd = 4 if field == "kl_at_target" else (0 if field in ("cpu_to_target", "steps_to_target") else 3)
     ratio = f" ({c['ratio']:.2f}x)" if field != "final" and c["ratio"] is not None else ""
-    t = "" if c["t"] is None else f", t {c['t']:+.1f}"
+    r = c["test"]
+    test = "" if r["word"] == "too few seeds" else f", {stat_text(r)}"
     n_a, n_b = len(p["methods"][a][field]), len(p["methods"][b][field])
     reached = f", seeds reaching it {c['na']}/{n_a} vs {c['nb']}/{n_b}" if field.endswith("_target") else ""
     if reached and (c["na"] < n_a or c["nb"] < n_b):
         # a seed that never reached the target has no value: a t over the others would drop a side's failures
         return f"{fmt(c['a'], nd)} vs {fmt(c['b'], nd)}{ratio}{reached}; not tested (a seed never reached it)", None
     pct = field == "clip_off"  # printed as percentages, as the paper and docs/op_grpo.md give them
-    return f"{fmt(c['a'], nd, pct)} vs {fmt(c['b'], nd, pct)}{ratio}{t}{reached}", c["t"]
+    return f"{fmt(c['a'], nd, pct)} vs {fmt(c['b'], nd, pct)}{ratio}{test}{reached}", \
+        (None if r["word"] == "too few seeds" else r)
+
+
+def detectable_text(r: dict | None, field: str) -> str | None:
+    """A tested cell's smallest detectable difference in the compared value's units; None without one."""
+    if r is None or r["mdd"] is None:
+        return None
+    if field == "clip_off":
+        return f"{100 * r['mdd']:.1f} points"
+    if field in ("cpu_to_target", "steps_to_target"):
+        return f"{r['mdd']:.0f} " + ("CPU-s" if field == "cpu_to_target" else "iterations")
+    return f"{r['mdd']:.4f}" if field == "kl_at_target" else f"{r['mdd']:.3f}"
 
 
 def same_machine(calibrations) -> bool:
@@ -338,22 +519,25 @@ def same_machine(calibrations) -> bool:
     return all(c is not None for c in calibrations) and max(calibrations) <= 1.25 * min(calibrations)
 
 
-def verdict(ts: list[float | None], better: str) -> str:
-    """Words for the cells' t values; ``better`` is the sign the claim predicts (+1: a > b, -1: a < b)."""
-    got = [t for t in ts if t is not None]
+def verdict(results: list[dict | None]) -> str:
+    """Words for the cells' :func:`significance` results (None: a cell without a test), each result's own ``word``
+    (tested in the direction the claim predicts) counted as it is."""
+    got = [r for r in results if r is not None]
     if not got:
         return "not measured yet"
-    sign = 1 if better == "higher" else -1
-    held = [t * sign >= T_DIFF for t in got]
-    against = [t * sign <= -T_DIFF for t in got]
-    part = "" if len(got) == len(ts) else " (so far)"
-    if all(held):
+    words = [r["word"] for r in got]
+    part = "" if len(got) == len(results) else " (so far)"
+    if set(words) == {"no spread"}:
+        return f"no spread{part}"
+    held, against = words.count("holds"), words.count("the opposite")
+    spread = "" if "no spread" not in words else f", no spread on {words.count('no spread')}"
+    if held == len(words):
         return f"holds{part}"
-    if any(against):
-        return f"the opposite on {sum(against)} of {len(got)}{part}"
-    if any(held):
-        return f"holds on {sum(held)} of {len(got)}, within the noise elsewhere{part}"
-    return f"within the noise{part}"
+    if against:
+        return f"the opposite on {against} of {len(words)}{spread}{part}"
+    if held:
+        return f"holds on {held} of {len(words)}, within the noise elsewhere{spread}{part}"
+    return f"within the noise{spread}{part}"
 
 
 def with_tier3(panel: str, lr: float) -> tuple[str, ...]:
@@ -420,7 +604,7 @@ CLAIMS = [
 
 
 def why_not(cell_text: str) -> str:
-    """Why a cell has no t: its reason in a few words."""
+    """Why a cell has no test: its reason in a few words."""
     if "CPU not compared" in cell_text:
         return "machines differ"
     if "a seed never reached it" in cell_text:
@@ -431,10 +615,10 @@ def why_not(cell_text: str) -> str:
 
 
 def claim_verdict(where, cells, better: str) -> str:
-    """The verdict of one claim over its panels: :func:`verdict` on the panels with a t, and each other panel's
+    """The verdict of one claim over its panels: :func:`verdict` on the panels with a test, and each other panel's
     reason by name (a panel that cannot be compared never hides one that can, and the reverse)."""
-    ts = [t for _, t in cells]
-    if all(t is None for t in ts):
+    results = [r for _, r in cells]
+    if all(r is None for r in results):
         reasons = {why_not(c) for c, _ in cells}
         if reasons == {"too few seeds"}:
             return "too few seeds yet"
@@ -443,26 +627,29 @@ def claim_verdict(where, cells, better: str) -> str:
         if reasons == {"a seed never reached the target"}:
             return "not tested (a seed never reached the target)"
         return "not yet: " + "; ".join(f"{SHORT[pn]} {why_not(c)}" for pn, (c, _) in zip(where, cells))
-    v = verdict([t for t in ts if t is not None], better)
-    missing = [(pn, c) for pn, (c, t) in zip(where, cells) if t is None]
+    v = verdict([r for r in results if r is not None])
+    missing = [(pn, c) for pn, (c, r) in zip(where, cells) if r is None]
     if missing:
-        on = ", ".join(SHORT[pn] for pn, (_, t) in zip(where, cells) if t is not None)
+        on = ", ".join(SHORT[pn] for pn, (_, r) in zip(where, cells) if r is not None)
         v += f" on {on} (" + "; ".join(f"{SHORT[pn]}: {why_not(c)}" for pn, c in missing) + ")"
     return v
 
 
 def claims(panels: dict) -> list[tuple]:
-    """(method, claim, paper, cell per set, verdict) rows; every number from ``panels``."""
+    """(method, claim, paper, cell per set, smallest detectable difference per set, verdict) rows; every number from
+    ``panels`` through :func:`significance`."""
     rows = []
     for method, claim, paper, where, a, b, field, better in CLAIMS:
-        cells = [cell(panels.get(pname), a, b, field) for pname in where]
+        cells = [cell(panels.get(pname), a, b, field, better) for pname in where]
         text = "; ".join(f"{SHORT[pname]}: {c}" for pname, (c, _) in zip(where, cells))
+        mdd = "; ".join(f"{SHORT[pname]} {d}" for pname, (_, r) in zip(where, cells)
+                        if (d := detectable_text(r, field)) is not None) or "n/a"
         v = claim_verdict(where, cells, better)
-        few = [pn for pn, (_, t) in zip(where, cells) if t is not None and any(
+        few = [pn for pn, (_, r) in zip(where, cells) if r is not None and any(
             lab in panels[pn]["methods"] and len(panels[pn]["methods"][lab][field]) < 3 for lab in (a, b) if lab)]
         if few:  # a verdict resting on fewer than 3 seeds a side is provisional
             v += " (so far: fewer than 3 seeds on " + ", ".join(SHORT[pn] for pn in few) + ")"
-        rows.append((method, claim, paper, text, v))
+        rows.append((method, claim, paper, text, mdd, v))
     return rows
 
 
@@ -516,14 +703,13 @@ def render(panels: dict) -> str:
         "relation all right). Every run is on CPU, one thread, with the same samples per iteration (8 prompts x 16 "
         "images); evaluations use noise never used in training. Mean +- std over seeds.",
         "",
-        f"One rule for every difference: two methods are compared at the same samples and optimizer steps per "
-        f"iteration, or the row says which side gets more. A difference is called one when Welch's t over seeds "
-        f"reaches {T_DIFF} (about p = 0.05 at 3 seeds a side); otherwise it is *within the noise*. A claim not yet "
-        f"measured in the paper's form says so.",
+        RULE,
         "",
         "## Which trainer when",
         "",
-        "- **Flow-GRPO** (`FlowGRPOTrainer`): the baseline; it improves the base on every tier here.",
+        "- **Flow-GRPO** (`FlowGRPOTrainer`): the baseline; its mean score ended above the base on every tier here, "
+        "but at three seeds the gain clears the seeds' spread and the base's own sampling error only on some (its "
+        "rows below).",
         "- **Flow-DPPO** (`FlowDPPOTrainer`): when you reuse each rollout for several updates; read its rows below "
         "for what survives at matched updates.",
         "- **Stepwise-Flow-GRPO** (`StepwiseFlowGRPOTrainer`): per-step credit; its cost is T' extra transformer "
@@ -535,27 +721,34 @@ def render(panels: dict) -> str:
         "forward (noising) process. On tier 2, sampled without CFG (from a lower base, the model without CFG) it "
         "reached Flow-GRPO's target no sooner than Flow-GRPO with CFG, and ended at or above its score at a fifth or "
         "less of its KL, at three rates. With CFG it ended above Flow-GRPO at all three rates (beyond the noise at "
-        "1e-3 and 2e-3) at a third of its KL or less, and reached the target in 0.69x the iterations at lr 5e-4.",
+        "1e-3 and 2e-3) at a third of its KL or less, and reached the target sooner on average at every rate, within "
+        "the noise where tested.",
         "",
         "## Claims, per method",
         "",
-        "| method | claim | paper | ours (mean +- std over seeds; t: Welch's, or one-sample against the base) "
-        "| verdict |",
-        "|---|---|---|---|---|",
+        "| method | claim | paper | ours (mean +- std over seeds; t, df, p: Welch's, or the seeds against the base "
+        "and its s.e.) | smallest detectable difference (80% power, p < 0.05) | verdict |",
+        "|---|---|---|---|---|---|",
     ]
     lines += [f"| {' | '.join(r)} |" for r in rows]
-    lines += ["", "Target (steps / CPU / KL at target): the base plus 0.8 x Flow-GRPO's mean final gain on that tier; "
-              "a seed's value is taken at its first evaluation reaching it.", ""]
+    lines += ["", "Target: the base plus 0.8 x Flow-GRPO's mean final gain on that tier. Iterations to the target: "
+              "where the score crossed it, linear between the two evaluations that bracket the crossing (runs are "
+              "evaluated every 10 iterations or so; the panels give the first evaluation reaching it beside it). "
+              "CPU and KL at the target: a seed's values at its first evaluation reaching it.", ""]
     for name, p in panels.items():
         if p is None or not p["methods"]:
             continue
         lines += [f"## {PANELS[name]['title']}", "", f"![{name}]({figure(name, p)})", "",
-                  "| run | seeds | final | KL to base | iterations to target | CPU-s per iteration |",
-                  "|---|---|---|---|---|---|"]
+                  "| run | seeds | final | KL to base | iterations to target (interpolated) | iterations to target "
+                  "(first evaluation reaching it) | CPU-s per iteration |",
+                  "|---|---|---|---|---|---|---|"]
         for label, m in p["methods"].items():
             lines.append(f"| {PANELS[name]['methods'][label]} | {len(m['seeds'])} | {fmt(ms(m['final']))} | "
-                         f"{fmt(ms(m['kl']), 4)} | {reached_cell(p, m)} | {fmt(ms(m['cpu_per_iter']), 1)} |")
-        lines += ["", f"Base: {p['base']:.3f}; {folders_note(PANELS[name])}.", ""]
+                         f"{fmt(ms(m['kl']), 4)} | {reached_cell(p, m, 'steps_to_target', 1)} | "
+                         f"{reached_cell(p, m)} | {fmt(ms(m['cpu_per_iter']), 1)} |")
+        base = f"Base: {p['base']:.3f}" + (f" (one evaluation of {p['base_n']} images, binomial s.e. "
+                                            f"{p['base_se']:.3f})" if p["base_n"] else "")
+        lines += ["", f"{base}; {folders_note(PANELS[name])}.{committed_note(p)}", ""]
     lines += ["## Before / after", "",
               "The main job (`python examples/quickstart.py`): one row per trained prompt, before training and after, "
               "same noise.", "", "![before / after](../benchmarks/results/quickstart/before_after.png)", "",
@@ -573,11 +766,12 @@ README_ROWS = (0, 1, 2, 4, 6, 11)
 def readme_block(panels: dict) -> str:
     """The README's summary: a few claim rows (tier 2, sets A and B) and the tier-2 figure."""
     rows = claims(panels)
-    lines = [README_START, "| method | claim (the paper's figure) | here: tier 2 (prompt sets A; B) or the sparse tier | verdict |",
-             "|---|---|---|---|"]
+    lines = [README_START,
+             "| method | claim (the paper's figure) | here: tier 2 (prompt sets A; B) or the sparse tier "
+             "| smallest detectable difference | verdict (p < 0.05, docs/results.md) |", "|---|---|---|---|---|"]
     for i in README_ROWS:
-        method, claim, paper, ours, v = rows[i]
-        lines.append(f"| {method} | {claim} ({paper}) | {ours} | {v} |")
+        method, claim, paper, ours, mdd, v = rows[i]
+        lines.append(f"| {method} | {claim} ({paper}) | {ours} | {mdd} | {v} |")
     lines += ["", "![tier 2: score vs iteration, CPU and KL, mean +- std over seeds](docs/figures/tier2.png)", README_END]
     return "\n".join(lines)
 

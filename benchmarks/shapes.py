@@ -50,7 +50,10 @@ it after changing the harness); ``runs/`` is not committed: ``results.json`` hol
 back into ``runs/`` before anything runs, and every invocation summarises all of the folder's runs (so a run added to
 a committed folder keeps the others; ``--quick`` writes to its own folder, ``shapes_quick``). Without ``--lrs`` each
 method runs at its swept learning rate for the tier (``SWEPT_LR``, chosen from the committed sweep,
-docs/benchmarks.md) or ``BASE``'s.
+docs/benchmarks.md) or ``BASE``'s. Each run's record (:func:`run_record`) says what it ran: ``code`` holds the git
+commit, whether tracked files outside benchmarks/results differed from it, the evaluation seed and the machine
+(:func:`code_info`); runs committed before that record existed lack it (docs/results.md names the commits that
+committed them).
 """
 
 from __future__ import annotations
@@ -440,6 +443,40 @@ def machine_info(reps: int = 300) -> dict:
     return {"cpu": cpu, "calibration_s": calibration}
 
 
+def code_info() -> dict:
+    """What a run ran, recorded in its record as ``code``: the git commit of this checkout (None outside git), whether
+    tracked files outside ``benchmarks/results/`` differ from it (``dirty``, with those files' paths), the evaluation
+    seed, and the machine (platform, CPU count, Python and torch versions)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout
+        except (OSError, subprocess.CalledProcessError):
+            return None
+
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)benchmarks/results")
+    changed = None if status is None else [line[3:] for line in status.splitlines() if line.strip()]
+    return {"git_commit": None if commit is None else commit.strip(),
+            "dirty": None if changed is None else bool(changed), "dirty_files": changed,
+            "eval_seed": EVAL_SEED,
+            "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
+                        "python": platform.python_version(), "torch": torch.__version__}}
+
+
+def run_record(label: str, seed: int, tier_id: int, base_name: str, config: dict, iters: list[dict],
+               evals: list[dict], cpu: float, sheet: str | None = None) -> dict:
+    """One run's record, as ``runs/<label>_seed<seed>.json`` and results.json store it: its label, seed, tier, base,
+    learning rate, task, trainer config (``config``: the config's ``to_dict()``), per-iteration metrics, evaluations,
+    CPU seconds, the machine's CPU calibration (:func:`machine_info`) and the code it ran (:func:`code_info`)."""
+    return {"method": label, "seed": seed, "tier": tier_id, "base_model": base_name,
+            "learning_rate": config["learning_rate"], "sheet": sheet, "task": _task(TIERS[tier_id]),
+            "config": {k: _portable(str(v)) for k, v in config.items()}, "iterations": iters, "evals": evals,
+            "cpu_s": cpu, "eval_cpu_s": sum(e["eval_cpu_s"] for e in evals), "machine": machine_info(),
+            "code": code_info()}
+
+
 def make_trainer(label: str, seed: int, tier_id: int, steps: int, out: str, base_name: str | None = None):
     """The trainer of one run: ``run_config``'s config on the tier's base model, reward and training prompts."""
     from trl_flow.rewards import get_reward
@@ -466,8 +503,6 @@ def run_one(label: str, seed: int, tier_id: int, steps: int, eval_every: int, ev
     tier = TIERS[tier_id]
     base_name = base_name or tier["base"]
     trainer = make_trainer(label, seed, tier_id, steps, out, base_name)
-    config = trainer.config
-    lr = config.learning_rate
     sets = eval_sets(tier, eval_scale)
     primary, score = tier["primary"], tier["score"]
     evals = [{"step": 0, "cpu_s": 0.0, **evaluate(trainer, sets, primary)}]
@@ -486,9 +521,7 @@ def run_one(label: str, seed: int, tier_id: int, steps: int, eval_every: int, ev
                   f"{primary} {e[primary]['overall'][score]:.3f} {others} kl {e['kl']:.4f} ({cpu:.0f} cpu-s)",
                   flush=True)
     sheet = edit_sheet(trainer, tier, out, label, seed) if tier.get("task") == "edit" else None
-    return {"method": label, "seed": seed, "tier": tier_id, "base_model": base_name, "learning_rate": lr,
-            "sheet": sheet, "task": _task(tier), "config": {k: _portable(str(v)) for k, v in config.to_dict().items()}, "iterations": iters,
-            "evals": evals, "cpu_s": cpu, "eval_cpu_s": sum(e["eval_cpu_s"] for e in evals), "machine": machine_info()}
+    return run_record(label, seed, tier_id, base_name, trainer.config.to_dict(), iters, evals, cpu, sheet)
 
 
 def edit_sheet(trainer, tier: dict, out: str, label: str, seed: int, per_instruction: int = 2) -> str:

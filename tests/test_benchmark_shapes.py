@@ -153,6 +153,34 @@ def test_summary_says_when_cpu_columns_mix_machines():
     assert mod.summarise([_fake_run("flow_grpo@0.001", 0, [0.2, 0.5], [0, 0.3])], 2)["cpu_comparable"] is None
 
 
+def test_a_run_record_carries_the_code_it_ran(tmp_path):
+    """Every new run's record (run_record, what run_one returns) says what it ran: the checkout's git commit, whether
+    tracked code differed from it, the evaluation seed and the machine; built here without training."""
+    import platform
+    import subprocess
+
+    import torch
+
+    mod = _load()
+    config, _ = mod.run_config("flow_grpo@0.001", 1, 2, 10, str(tmp_path))
+    evals = [{"step": 0, "cpu_s": 0.0, "eval_cpu_s": 2.0, "kl": 0.0}, {"step": 10, "cpu_s": 50.0, "eval_cpu_s": 3.0}]
+    record = mod.run_record("flow_grpo@0.001", 1, 2, "noisy", config.to_dict(), [{"step": 1}], evals, 50.0)
+    assert (record["method"], record["seed"], record["tier"]) == ("flow_grpo@0.001", 1, 2)
+    assert record["learning_rate"] == 1e-3
+    assert record["eval_cpu_s"] == 5.0 and record["config"]["learning_rate"] == "0.001"
+    assert record["machine"]["calibration_s"] > 0
+    code = record["code"]
+    assert set(code) == {"git_commit", "dirty", "dirty_files", "eval_seed", "machine"}
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert code["git_commit"] == head.strip() and len(code["git_commit"]) == 40
+    assert code["dirty"] is bool(code["dirty_files"])
+    assert not any(f.startswith("benchmarks/results/") for f in code["dirty_files"])
+    assert code["eval_seed"] == mod.EVAL_SEED == 1234
+    assert code["machine"] == {"platform": platform.platform(), "cpu_count": os.cpu_count(),
+                               "python": platform.python_version(), "torch": torch.__version__}
+    json.dumps(record)  # stored as JSON as it is
+
+
 def test_restore_runs_writes_back_what_results_json_holds_and_keeps_what_is_there(tmp_path):
     mod = _load()
     runs = [_fake_run("flow_grpo@0.001", s, [0.2, 0.5], [0, 0.3]) for s in (0, 1)]
