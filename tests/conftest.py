@@ -5,6 +5,7 @@ Everything runs offline on CPU with the tiny SD3 pipeline of :mod:`trl_flow.test
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -96,6 +97,8 @@ def tiny_config(tmp_path, config_class=None, **overrides):
         beta=0.0,
         disable_tqdm=True,
     )
+    fields = {f.name for f in dataclasses.fields(config_class)}
+    kwargs = {k: v for k, v in kwargs.items() if k in fields}  # DiffusionNFT has no clip_range
     kwargs.update(overrides)
     return config_class(**kwargs)
 
@@ -118,3 +121,8 @@ def make_trainer(tmp_path, fresh_pipe):
         )
 
     return _make
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: runs for tens of seconds or more (subprocesses, several processes, "
+                                       "benchmark reruns); `-m 'not slow'` leaves them out")

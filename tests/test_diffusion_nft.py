@@ -10,6 +10,8 @@ import math
 import pytest
 import torch
 
+import trl_flow
+
 from conftest import PROMPTS, brightness, tiny_config
 from trl_flow import DiffusionNFTConfig, DiffusionNFTTrainer, FlowGRPOConfig
 from trl_flow.rewards import RewardError
@@ -350,10 +352,22 @@ def test_config_defaults_and_input_checks(tmp_path):
                        ({"timestep_fraction": 1.5}, "timestep_fraction=1.5"),
                        ({"timestep_fraction": 0.1, "num_inference_steps": 4}, "trains no timestep"),
                        ({"timestep_sampling": "random"}, "timestep_sampling='random'"),
-                       ({"adv_mode": "sign"}, "adv_mode='sign'"), ({"trust_region": "kl_mask"}, "no ratio"),
+                       ({"adv_mode": "sign"}, "adv_mode='sign'"),
                        ({"same_noise_per_group": True}, "the same image")]:
         with pytest.raises(ValueError, match=match):
             DiffusionNFTConfig(output_dir=str(tmp_path), **bad)
+    # DiffusionNFT sits on the run layer: the policy-gradient fields (no ratio to clip or mask) are not its fields
+    import dataclasses
+
+    from trl_flow.trainers.policy_gradient_config import PolicyGradientConfig
+
+    own = {f.name for f in dataclasses.fields(DiffusionNFTConfig)}
+    pg_only = {f.name for f in dataclasses.fields(PolicyGradientConfig)} - {f.name for f in dataclasses.fields(
+        trl_flow.FlowRLConfig)}
+    assert pg_only >= {"clip_range", "trust_region", "kl_form", "logprob_reduction", "kl_mask_delta"}
+    assert not own & pg_only
+    with pytest.raises(TypeError, match="trust_region"):
+        DiffusionNFTConfig(output_dir=str(tmp_path), trust_region="kl_mask")
 
 
 def test_fsdp_is_refused_before_any_set_up(tmp_path, fresh_pipe, monkeypatch):

@@ -14,7 +14,7 @@ from conftest import PROMPTS, brightness, tiny_config
 from trl_flow import FlowDPPOConfig, FlowDPPOTrainer, FlowGRPOConfig, FlowGRPOTrainer, OPGRPOConfig, OPGRPOTrainer
 from trl_flow.models import Schedule
 from trl_flow.testing import tiny_sd3_pipeline
-from trl_flow.trainers.base_trainer import StepOutput
+from trl_flow.trainers.policy_gradient_trainer import StepOutput
 from trl_flow.trainers.flow_dppo_config import PAPER_ABLATION_BETA, RELEASED_CODE
 
 MASK_KEYS = ("mask_frac", "mask_frac_pos_adv", "mask_frac_neg_adv", "kl_old", "kl_old_max", "kl_old_first_max",

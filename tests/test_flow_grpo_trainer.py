@@ -12,7 +12,7 @@ from conftest import HEIGHT, MAX_SEQ, PROMPTS, WIDTH, brightness, tiny_config
 
 from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
 from trl_flow.advantages import group_advantages
-from trl_flow.trainers.base_trainer import LORA_WEIGHT_NAME
+from trl_flow.storage import LORA_WEIGHT_NAME
 
 NAN = float("nan")
 
@@ -77,7 +77,7 @@ def test_first_inner_step_ratio_is_exactly_one(make_trainer, sampler, guidance, 
 def test_compute_loss_matches_the_flow_grpo_objective(make_trainer):
     from types import SimpleNamespace
 
-    from trl_flow.trainers.base_trainer import StepOutput
+    from trl_flow.trainers.policy_gradient_trainer import StepOutput
 
     from trl_flow.models import Schedule
 

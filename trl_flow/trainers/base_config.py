@@ -13,9 +13,8 @@ from dataclasses import asdict, dataclass, field
 from ..config_fields import meta
 
 from ..advantages import SCALE_REWARDS
-from ..kernels import FIRST_STEP_STDS, KL_FORMS, REDUCTIONS, SAMPLERS
+from ..kernels import SAMPLERS
 from ..memory import OFFLOAD_MODES
-from ..trust_region import DEFAULT_KL_MASK_DELTA, KL_MASK_MODES, TRUST_REGIONS
 
 
 GUIDANCE_GRADS = ("cond_only", "both")
@@ -37,9 +36,6 @@ SOURCE_IMAGE_SIZES = ("auto", "source", "output")
 
 @dataclass
 class FlowRLConfig:
-    #: The method trains on the rollout kernel's log-probs (every SDE policy-gradient trainer), so `ode` is refused.
-    trains_on_log_probs = True
-
     # ---- run ---------------------------------------------------------------------------------------------------
     output_dir: str = field(default="trl_flow_output", metadata=meta("harmless",
         "Where checkpoints, samples and the final LoRA are written."))
@@ -168,47 +164,15 @@ class FlowRLConfig:
         "`window` (default, Flow-GRPO-Fast / MixGRPO): consecutive, start in [0, sde_window_range); `random`: "
         "sde_window_size distinct steps in [0, sde_window_range), UniRL's AllSDEScheduler (its Flow-DPPO recipe: 3 "
         "of steps 0-4 of 10)."))
-    logprob_reduction: str = field(default="mean", metadata=meta("refuse",
-        "Reduce the per-dimension log-density by `mean` (reference code; clip ranges ~1e-4) or `sum`."))
     # ---- objective -----------------------------------------------------------------------------------------------
     beta: float = field(default=0.04, metadata=meta("notice",
         "Weight of the KL to the reference policy (published: 0.04 GenEval/OCR, 0.01 PickScore, tuned with "
         "kl_form='reference'). 0 skips the reference forward pass."))
-    kl_form: str = field(default="reference", metadata=meta("notice",
-        "Form of the KL penalty. `reference` (default, the Flow-GRPO reference code, with which the published betas "
-        "were tuned): ||mu - mu_ref||^2 / (2 a^2 s/(1-s)), i.e. the exact KL times |dt| for flow_sde (3.7x-25x "
-        "weaker per step at 10 steps, shift 3); `exact`: the exact kernel KL ||mu - mu_ref||^2 / (2 std^2) of the "
-        "paper's formula. cps: both forms agree; ddim: always exact."))
     guidance_grad: str = field(default="cond_only", metadata=meta("notice",
         "Gradient through classifier-free guidance in the update. `cond_only` (default, the Flow-GRPO reference "
         "code): the unconditional branch is detached, so only the conditional branch is trained; `both`: "
         "back-propagate through both branches (the exact gradient of the guided policy; gives the unconditional "
         "branch the weight 1 - guidance_scale). Rollout values and log-probs are identical either way."))
-    trust_region: str = field(default="clip", metadata=meta("notice",
-        "How each update is kept near the rollout's policy: `clip` (PPO ratio clip, Flow-GRPO; `clip_range`) or "
-        "`kl_mask` (Flow-DPPO's divergence trust region: a sample's term is dropped when the exact old-vs-new kernel "
-        "KL of its step exceeds `kl_mask_delta` and the update moves away from the old policy in its advantage's "
-        "direction; no clip)."))
-    clip_range: float = field(default=1e-4, metadata=meta("notice",
-        "trust_region=`clip`: PPO clip range eps on the per-step ratio (published Flow-GRPO: 1e-4 with mean-reduced "
-        "log-probs)."))
-    kl_mask_delta: float | None = field(default=None, metadata=meta("notice",
-        "trust_region=`kl_mask`: threshold on the exact KL between the frozen old kernel and the current one, "
-        "||mu_old - mu_theta||^2 / (2 std^2) with the kernel's full std (flow_sde: including sqrt(-dt)), "
-        "mean-reduced over latent dims whatever logprob_reduction. This is NOT the `kl_form` scaling of the beta-KL "
-        "to the reference policy. Default (None): 1e-5 for every kernel, the authors' released Flow-DPPO code "
-        "(resolved where it is used, `resolved_kl_mask_delta`); 1e-7 for flow_sde and 1e-6 for cps are attributed to "
-        "the paper's write-up but unverified (the write-up we have gives no delta; pass them explicitly to try "
-        "them)."))
-    kl_mask_mode: str = field(default="asymmetric", metadata=meta("notice",
-        "trust_region=`kl_mask`: `asymmetric` (Flow-DPPO: a step back toward the old policy is never masked) or "
-        "`symmetric` (ABLATION only: mask every sample whose KL exceeds the threshold; the paper reports training "
-        "collapses)."))
-    kl_mask_first_step: str = field(default="next_sigma", metadata=meta("notice",
-        "trust_region=`kl_mask`, flow_sde: the std of the old-vs-new KL, which differs only where sigma > 0.99 (step "
-        "0). `next_sigma` (default): the kernel's own (1 - sigma_next in the denominator at sigma = 1, Flow-GRPO's "
-        "and UniRL's rollout kernel); `clamp`: 1 - min(sigma, 0.99), UniRL's Flow-DPPO loss (flowdppo.py): 2.0x the "
-        "step-0 std on SD3.5's 10-step schedule. Log-probs are unchanged."))
     reward_weights: list[float] | None = field(default=None, metadata=meta("notice",
         "One weight per reward function (default: all 1)."))
     scale_rewards: str = field(default="batch", metadata=meta("notice",
@@ -279,10 +243,13 @@ class FlowRLConfig:
         "must also cover what one process does alone while the others wait (the main process's saves and Hub "
         "upload). Same name as transformers' TrainingArguments.ddp_timeout."))
 
+    def _need(self, cond, name: str, msg: str) -> None:
+        """``ValueError`` naming the field, its value and what is allowed, unless ``cond``."""
+        if not cond:
+            raise ValueError(f"{type(self).__name__}.{name}={getattr(self, name)!r}: {msg}")
+
     def __post_init__(self):
-        def need(cond, name, msg):
-            if not cond:
-                raise ValueError(f"{type(self).__name__}.{name}={getattr(self, name)!r}: {msg}")
+        need = self._need
 
         for name in ("max_steps", "num_generations", "prompts_per_step", "per_device_train_batch_size",
                      "gradient_accumulation_steps", "num_inner_epochs", "num_inference_steps",
@@ -298,22 +265,9 @@ class FlowRLConfig:
         need(self.num_inference_steps >= 2, "num_inference_steps", "must be >= 2 (the last step is never trained)")
         need(self.sampler in SAMPLERS, "sampler", f"must be one of {SAMPLERS}")
         need(self.batch_layout in BATCH_LAYOUTS, "batch_layout", f"must be one of {BATCH_LAYOUTS}")
-        if self.trains_on_log_probs:
-            need(self.sampler != "ode", "sampler", "`ode` has no log-prob and cannot be trained; use flow_sde, cps or ddim")
-        need(self.logprob_reduction in REDUCTIONS, "logprob_reduction", f"must be one of {REDUCTIONS}")
         need(self.scale_rewards in SCALE_REWARDS, "scale_rewards", f"must be one of {SCALE_REWARDS}")
-        need(self.kl_form in KL_FORMS, "kl_form", f"must be one of {KL_FORMS}")
         need(self.guidance_grad in GUIDANCE_GRADS, "guidance_grad", f"must be one of {GUIDANCE_GRADS}")
-        need(self.trust_region in TRUST_REGIONS, "trust_region", f"must be one of {TRUST_REGIONS}")
-        need(isinstance(self.clip_range, (int, float)) and 0 < self.clip_range < 1, "clip_range", "must be in (0, 1)")
-        need(self.kl_mask_mode in KL_MASK_MODES, "kl_mask_mode", f"must be one of {KL_MASK_MODES}")
-        need(self.kl_mask_first_step in FIRST_STEP_STDS, "kl_mask_first_step", f"must be one of {FIRST_STEP_STDS}")
-        need(self.kl_mask_first_step == "next_sigma" or self.sampler == "flow_sde", "kl_mask_first_step",
-             "`clamp` is a rule of the flow_sde kernel's std; leave `next_sigma` for other samplers")
         need(self.sde_steps_mode in SDE_STEPS_MODES, "sde_steps_mode", f"must be one of {SDE_STEPS_MODES}")
-        need(self.kl_mask_delta is None or isinstance(self.kl_mask_delta, (int, float))
-             and not isinstance(self.kl_mask_delta, bool) and math.isfinite(self.kl_mask_delta)
-             and self.kl_mask_delta >= 0, "kl_mask_delta", "must be a finite number >= 0, or None for the default")
         need(self.finetune in ("lora", "full"), "finetune", "must be `lora` or `full`")
         need(self.optim in ("adamw_torch", "adamw_8bit"), "optim", "must be `adamw_torch` or `adamw_8bit`")
         need(math.isfinite(self.noise_level) and self.noise_level > 0, "noise_level", "must be > 0 (0 makes every step deterministic: nothing to train)")
@@ -390,15 +344,9 @@ class FlowRLConfig:
         """Trajectories per iteration over all processes."""
         return self.prompts_per_step * self.num_generations
 
-    @property
-    def resolved_kl_mask_delta(self) -> float:
-        """``kl_mask_delta``, or its default when None (read at use, never stored in the field, so
-        ``dataclasses.replace`` of another field keeps meaning "the default")."""
-        return DEFAULT_KL_MASK_DELTA if self.kl_mask_delta is None else float(self.kl_mask_delta)
-
     def resolved_defaults(self) -> dict:
         """The values that the fields left at None stand for, under this config (for logs, checkpoints, cards)."""
-        return {"kl_mask_delta": self.resolved_kl_mask_delta}
+        return {}
 
     def to_dict(self) -> dict:
         """The fields as set (None stays None: "the default"); ``resolved_defaults()`` gives what they mean."""

@@ -1,10 +1,11 @@
 """The shared trainer base: prompts -> rollout -> rewards -> (method's advantages) -> (method's loss) -> update.
 
-A method subclasses :class:`FlowRLTrainer` and implements ``compute_advantages`` and ``compute_loss`` (and, if its
-data source differs, ``make_rollout``). Everything else lives here: model and LoRA set-up, sampling, rewards,
-gathering across processes, the update loop with gradient accumulation, EMA, logging, evaluation. The training
-loop (with the final save and push) is in ``train_loop.py``, checkpoints in ``checkpoints.py``; both are our own, on
-``accelerate``.
+The run layer. A method subclasses :class:`FlowRLTrainer` (DiffusionNFT) or the policy-gradient layer on it,
+:class:`~trl_flow.trainers.policy_gradient_trainer.PolicyGradientTrainer` (Flow-GRPO and the methods built on it),
+and implements ``compute_advantages`` and its loss (and, if its data source differs, ``make_rollout``). Here: model
+and LoRA set-up, sampling, rewards, gathering across processes, the update loop with gradient accumulation over the
+method's loss terms, EMA, logging, evaluation. Around it the engine (``trl_flow/engine/``): the training loop with
+the final save and push, checkpoints, export.
 """
 
 from __future__ import annotations
@@ -15,15 +16,14 @@ import math
 import os
 import time
 from collections import defaultdict
-from dataclasses import dataclass
 
 import torch
 
 from .. import editing
 from ..data import check_prompt_dataset, prompt_indices
-from ..kernels import gaussian_kl, kernel_mean_std, reference_kl, sde_step
+from ..kernels import gaussian_kl, kernel_mean_std
 from ..models import get_adapter, index_embeds
-from ..rewards import RewardError, compute_rewards, validate_reward_funcs
+from ..rewards import compute_rewards, validate_reward_funcs
 from ..rewards.scheduling import OverlappedScoring, collect_scores
 from ..rollout import Rollout, sample_trajectories, step_samplers
 from ..engine import checkpoints, distributed, guards, model_setup, prompt_encoding, tracking, train_loop
@@ -33,14 +33,24 @@ from ..engine.checkpoints import TrainerState
 from ..storage import LORA_WEIGHT_NAME  # noqa: F401  (re-exported)
 
 
-@dataclass
-class StepOutput:
-    """The current policy at one trained step of a microbatch (B samples): everything (B,) or (B, *L)."""
+class UpdateLog:
+    """What the update loop logs: sums and counts of each statistic, and the extremes a layer keeps."""
 
-    log_prob: torch.Tensor
-    mean: torch.Tensor
-    std: torch.Tensor
-    ref_mean: torch.Tensor | None = None
+    def __init__(self):
+        self.sums: dict[str, float] = defaultdict(float)
+        self.counts: dict[str, float] = defaultdict(float)
+        self.extremes: dict[str, float] = {}
+
+    def add(self, name: str, total: float, count: float = 1) -> None:
+        self.sums[name] += total
+        self.counts[name] += count
+
+    def keep(self, name: str, value: float, pick=max, start: float | None = None) -> None:
+        """``extremes[name] = pick(extremes[name] (or start), value)``."""
+        self.extremes[name] = pick(self.extremes.get(name, value if start is None else start), value)
+
+    def means(self) -> dict[str, float]:
+        return {name: self.sums[name] / max(self.counts[name], 1) for name in self.counts}
 
 
 class FlowRLTrainer:
@@ -111,6 +121,12 @@ class FlowRLTrainer:
                                                       {"train_dataset": self.train_dataset,
                                                        "eval_dataset": self.eval_dataset})
         self._no_reward = guards.NoRewardMonitor()
+
+    @property
+    def logprob_reduction(self) -> str:
+        """How a kernel's per-dimension log-density is reduced (the rollout's stored log-probs, the KL metric):
+        ``mean`` here; the policy-gradient layer's ``logprob_reduction`` field."""
+        return "mean"
 
     @property
     def device(self) -> torch.device:
@@ -224,7 +240,7 @@ class FlowRLTrainer:
             self.adapter, self.model, embeds, None if noise is None else noise.to(self.device), schedule, kinds,
             cfg.noise_level, cfg.guidance_scale, cfg.per_device_train_batch_size,
             generator=self.sample_generators(step, generator_purpose, sample_ids, len(prompts)),
-            logprob_reduction=cfg.logprob_reduction,
+            logprob_reduction=self.logprob_reduction,
             start_states=None if start_states is None else start_states.to(self.device), start_step=start_step,
             autocast=self._autocast, keep_velocities=self.keep_velocities, store=self.rollout_store,
             on_chunk=None if scoring is None else scoring.submit,
@@ -320,10 +336,6 @@ class FlowRLTrainer:
         """Set ``rollout.advantages`` ((N,) or (N, K)) for this process's samples."""
         raise NotImplementedError
 
-    def compute_loss(self, rollout: Rollout, idx: torch.Tensor, k: int, out: StepOutput):
-        """Loss (scalar) of trained step ``k`` for the microbatch ``idx`` and per-sample stats {name: (B,)}."""
-        raise NotImplementedError
-
     # ------------------------------------------------------------------------------------------- update
     @contextlib.contextmanager
     def reference_policy(self):
@@ -340,42 +352,37 @@ class FlowRLTrainer:
         finally:
             model.enable_adapters()
 
-    def forward_step(self, rollout: Rollout, idx: torch.Tensor, k: int, need_ref: bool) -> StepOutput:
-        """Re-score the stored transition ``x_k -> x_{k+1}`` of samples ``idx`` under the current policy."""
-        cfg = self.config
-        kind = rollout.extras["step_kinds"][k]
-        sig = rollout.schedule.sigmas
-        x = rollout.states[idx, k]
-        emb = index_embeds(rollout.embeds, idx)
-        t = rollout.schedule.timesteps[k]
-        with self._autocast():
-            v = self.adapter.velocity(self.model, x, t, emb, cfg.guidance_scale,
-                                      detach_uncond=cfg.guidance_grad == "cond_only")
-        _, log_prob, mean, std = sde_step(kind, x, v, sig[k], sig[k + 1], cfg.noise_level,
-                                          prev_sample=rollout.states[idx, k + 1],
-                                          logprob_reduction=cfg.logprob_reduction)
-        ref_mean = None
-        if need_ref:
-            with torch.no_grad(), self.reference_policy() as ref, self._autocast():
-                v_ref = self.adapter.velocity(ref, x, t, emb, cfg.guidance_scale)
-            ref_mean, _ = kernel_mean_std(kind, x, v_ref, sig[k], sig[k + 1], cfg.noise_level)
-        return StepOutput(log_prob=log_prob, mean=mean, std=std, ref_mean=ref_mean)
+    def loss_terms(self, rollout: Rollout, idx: torch.Tensor, step: int, epoch: int, batch: int) -> list:
+        """The backward passes of the microbatch ``idx`` (its ``batch``-th of pass ``epoch``): one term each, e.g. a
+        trained step (policy gradient) or a training timestep (DiffusionNFT). The same number on every process."""
+        raise NotImplementedError
 
-    def kl_penalty(self, rollout: Rollout, k: int, out: StepOutput) -> torch.Tensor:
-        """(B,) KL of step ``k`` between the current and the reference kernel, in the configured ``kl_form``."""
-        sig = rollout.schedule.sigmas
-        return reference_kl(rollout.extras["step_kinds"][k], out.mean, out.ref_mean, out.std, sig[k], sig[k + 1],
-                            self.config.kl_form, self.config.logprob_reduction)
+    def term_loss(self, rollout: Rollout, idx: torch.Tensor, term) -> tuple[torch.Tensor, dict, torch.Tensor]:
+        """(scalar loss, per-sample statistics {name: (B,)}, (B,) bool mask of the samples the term trains) of one
+        term of :meth:`loss_terms`. Every statistic is logged as its mean over the masked samples (NaN: left out)."""
+        raise NotImplementedError
+
+    def record_extremes(self, log: UpdateLog, name: str, values: torch.Tensor, first: bool) -> None:
+        """Further statistics of one term's statistic ``name`` (its masked, non-NaN ``values``); ``first``: the
+        first optimizer step of the iteration, before any update. The policy-gradient layer keeps ratio extremes."""
+
+    def after_microbatch(self, rollout: Rollout, idx: torch.Tensor, log: UpdateLog) -> None:
+        """Called after the backward passes of a microbatch."""
+
+    def after_optimizer_step(self) -> None:
+        """Called after each optimizer step (also a skipped one)."""
+
+    def update_metrics(self, log: UpdateLog) -> dict[str, float]:
+        """The update's metrics from ``log``: means of the statistics, then what a layer adds."""
+        return log.means()
 
     def optimize(self, rollout: Rollout, step: int) -> dict[str, float]:
         """``num_inner_epochs`` passes over the rollout; one optimizer step per ``gradient_accumulation_steps``
-        microbatches, each microbatch accumulating over all trained steps."""
+        microbatches, each microbatch accumulating over its :meth:`loss_terms`."""
         cfg, acc = self.config, self.accelerator
         n = len(rollout)
         mb = cfg.per_device_train_batch_size
-        trained_steps = rollout.trained_steps()  # identical on every process (DDP needs equal backward calls)
-        sums, counts = defaultdict(float), defaultdict(float)
-        first_dev = first_kl = 0.0
+        log = UpdateLog()
         grad_norms, prompts_per_mb = [], []
         self.model.train()
         for epoch in range(cfg.num_inner_epochs):
@@ -388,48 +395,29 @@ class FlowRLTrainer:
             for g_i, group in enumerate(groups):
                 if not self._any_trainable(rollout, group):
                     continue  # no sample has a reward anywhere: no forward, no optimizer step, weights untouched
-                n_backward = len(group) * len(trained_steps)
                 prompts_per_mb += [len(torch.unique(rollout.group_ids[idx.to(rollout.group_ids.device)]))
                                    for idx in group]
                 for b_i, idx in enumerate(group):
-                    for s_i, k in enumerate(trained_steps):
-                        last = b_i == len(group) - 1 and s_i == len(trained_steps) - 1
-                        sync = contextlib.nullcontext() if last else acc.no_sync(self.model)
-                        with sync:
-                            out = self.forward_step(rollout, idx, k, need_ref=cfg.beta > 0)
-                            loss, stats = self.compute_loss(rollout, idx, k, out)
+                    terms = self.loss_terms(rollout, idx, step, epoch, g_i * len(groups[0]) + b_i)
+                    for t_i, term in enumerate(terms):
+                        last = b_i == len(group) - 1 and t_i == len(terms) - 1
+                        with contextlib.nullcontext() if last else acc.no_sync(self.model):
+                            loss, stats, mask = self.term_loss(rollout, idx, term)
                             if not torch.isfinite(loss):
                                 loss = torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0) * 0.0
                                 self._nonfinite_skipped += 1
-                            acc.backward(loss / n_backward)
-                        mask = rollout.train_mask[idx, k]
+                            acc.backward(loss / (len(group) * len(terms)))
                         for name, val in stats.items():
                             sel = val.detach()[mask]
                             sel = sel[~torch.isnan(sel)]  # NaN marks "not part of this statistic"
-                            if name == "ratio" and sel.numel():
-                                sums["ratio_max"] = max(sums.get("ratio_max", -math.inf), float(sel.max()))
-                                sums["ratio_min"] = min(sums.get("ratio_min", math.inf), float(sel.min()))
-                                if epoch == 0 and g_i == 0:
-                                    first_dev = max(first_dev, float((sel - 1).abs().max()))
-                            if name == "kl_old" and sel.numel():  # old-vs-new kernel KL (trust_region.py)
-                                sums["kl_old_max"] = max(sums.get("kl_old_max", 0.0), float(sel.max()))
-                                if epoch == 0 and g_i == 0:
-                                    first_kl = max(first_kl, float(sel.max()))
-                            sums[name] += float(sel.sum())
-                            counts[name] += sel.numel()
-                        sums["loss"] += float(loss.detach())
-                        counts["loss"] += 1
+                            self.record_extremes(log, name, sel, first=epoch == 0 and g_i == 0)
+                            log.add(name, float(sel.sum()), sel.numel())
+                        log.add("loss", float(loss.detach()))
+                    self.after_microbatch(rollout, idx, log)
                 grad_norms.append(self._optimizer_step())
-        metrics = {name: sums[name] / max(counts[name], 1) for name in counts}
-        if "mask_frac" not in metrics:  # the kl_mask trust region logs its own fractions instead
-            metrics["clip_frac"] = metrics.pop("clipped", 0.0)
-        for name in ("ratio_max", "ratio_min", "kl_old_max"):
-            if name in sums:
-                metrics[name] = sums[name]
-        metrics["ratio_first_max_dev"] = first_dev
+                self.after_optimizer_step()
+        metrics = self.update_metrics(log)
         metrics["prompts_per_microbatch"] = sum(prompts_per_mb) / len(prompts_per_mb) if prompts_per_mb else 0.0
-        if "kl_old" in counts:
-            metrics["kl_old_first_max"] = first_kl
         finite = [g for g in grad_norms if math.isfinite(g)]
         metrics["grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
         metrics["nonfinite_skipped"] = self._nonfinite_skipped
@@ -561,7 +549,7 @@ class FlowRLTrainer:
         For each prompt, the policy's deterministic trajectory over the training schedule
         (``num_inference_steps``) is sampled with noise seeded by ``seed``; at every stochastic step ``k`` the
         kernels of the policy and of the reference (adapters disabled / frozen copy) at ``x_k`` are compared with
-        :func:`~trl_flow.kernels.gaussian_kl` (``logprob_reduction``). The kernel is the training one unless
+        :func:`~trl_flow.kernels.gaussian_kl` (:attr:`logprob_reduction`). The kernel is the training one unless
         ``sampler`` / ``noise_level`` name another: pass the same for every method to compare methods trained with
         different kernels (a ``ddim`` kernel's tiny early stds make its KL much larger than ``flow_sde``'s for the
         same change of velocity). Returns (B,) KLs summed over the steps.
@@ -587,7 +575,7 @@ class FlowRLTrainer:
                     v_ref = self.adapter.velocity(ref, x, schedule.timesteps[k], emb, cfg.guidance_scale)
                 mu, std = kernel_mean_std(kind, x, v, sig[k], sig[k + 1], noise_level)
                 mu_ref, _ = kernel_mean_std(kind, x, v_ref, sig[k], sig[k + 1], noise_level)
-                total[idx] += gaussian_kl(mu, mu_ref, std, cfg.logprob_reduction).cpu()
+                total[idx] += gaussian_kl(mu, mu_ref, std, self.logprob_reduction).cpu()
         return total
 
     @torch.no_grad()

@@ -26,10 +26,8 @@ class DiffusionNFTConfig(FlowRLConfig):
     paper differ; each field's help names both. Differences from the shared defaults: the rollout kernel is the
     deterministic ``ode`` (any kernel works), no classifier-free guidance (``guidance_scale=1``), ``beta`` is the
     weight of the velocity KL to the reference (``train.beta`` 1e-4); the method's own beta is ``nft_beta``.
-    Fields of the SDE trainers that DiffusionNFT does not use (``clip_range``, ``kl_form``, ``noise_level`` with
-    ``ode``, ``logprob_reduction``) are accepted and ignored; ``trust_region="kl_mask"`` is refused."""
-
-    trains_on_log_probs = False  # the loss is on the forward process: any kernel, `ode` included
+    It sits on the run layer (:class:`FlowRLConfig`), not the policy-gradient one: no ratio, trust region, KL form
+    or log-density reduction; the loss is on the forward process, so any kernel works, `ode` included."""
 
     sampler: str = field(default="ode", metadata=meta("refuse",
         "Kernel of the rollout (which only produces the final samples: nothing of the trajectory is trained). "
@@ -95,9 +93,6 @@ class DiffusionNFTConfig(FlowRLConfig):
         need(not (self.same_noise_per_group and self.sampler == "ode"), "same_noise_per_group",
              "with the deterministic `ode` sampler every trajectory of a group would be the same image (one reward, "
              "no advantage); set it False or use a stochastic sampler")
-        need(self.trust_region == "clip", "trust_region",
-             "DiffusionNFT has no ratio to clip or mask (its update is kept near the old policy by nft_beta and the "
-             "old policy's decay); leave trust_region at its default")
 
     @property
     def num_train_timesteps(self) -> int:

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
-from collections import defaultdict
 
 import torch
 
@@ -224,54 +222,33 @@ class DiffusionNFTTrainer(FlowRLTrainer):
         return loss, stats
 
     def optimize(self, rollout, step):
-        """``num_inner_epochs`` passes; per accumulation group of microbatches, T backward passes per microbatch
-        (one per training point), then one optimizer step; then the old-policy update."""
-        cfg, acc = self.config, self.accelerator
-        n, mb, T = len(rollout), cfg.per_device_train_batch_size, self.num_train_timesteps(rollout.schedule)
-        r_all = optimality_probability(rollout.advantages, cfg.adv_clip_max, cfg.adv_mode)
-        trained = rollout.train_mask[:, 0]
-        sums, counts, grad_norms = defaultdict(float), defaultdict(float), []
+        """The run layer's loop over this method's terms: per microbatch, T backward passes (one per training
+        point), one optimizer step per accumulation group; then the old-policy update."""
+        cfg = self.config
+        self._r_all = optimality_probability(rollout.advantages, cfg.adv_clip_max, cfg.adv_mode)
         steps_before = self.nft_optimizer_steps
-        self.model.train()
-        for epoch in range(cfg.num_inner_epochs):
-            order = (torch.arange(n) if epoch == 0
-                     else torch.randperm(n, generator=self._generator(step, f"shuffle{epoch}", per_process=True)))
-            batches = [order[i : i + mb].to(self.device) for i in range(0, n, mb)]
-            groups = [batches[i : i + cfg.gradient_accumulation_steps]
-                      for i in range(0, len(batches), cfg.gradient_accumulation_steps)]
-            for g_i, group in enumerate(groups):
-                if not self._any_trainable(rollout, group):
-                    continue  # no sample has a reward anywhere: no forward, no optimizer step, weights untouched
-                for b_i, idx in enumerate(group):
-                    k_order, gens = self.training_points(rollout, idx, step, epoch, g_i * len(groups[0]) + b_i)
-                    mask = trained[idx]
-                    for j in range(T):
-                        last = b_i == len(group) - 1 and j == T - 1
-                        with contextlib.nullcontext() if last else acc.no_sync(self.model):
-                            per_sample, stats = self.nft_point(rollout, idx, k_order[:, j], gens, r_all[idx])
-                            loss = masked_mean(per_sample, mask)
-                            if not torch.isfinite(loss):
-                                loss = torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0) * 0.0
-                                self._nonfinite_skipped += 1
-                            acc.backward(loss / (len(group) * T))
-                        for name, val in stats.items():
-                            sums[name] += float(val[mask].sum())
-                            counts[name] += int(mask.sum())
-                        sums["loss"] += float(loss.detach())
-                        counts["loss"] += 1
-                    sums["nft/r_mean"] += float(r_all[idx][mask].sum())
-                    counts["nft/r_mean"] += int(mask.sum())
-                grad_norms.append(self._optimizer_step())
-                self.nft_optimizer_steps += 1
+        metrics = super().optimize(rollout, step)
         if self.nft_optimizer_steps > steps_before:
             self.update_old_policy()
-        metrics = {name: sums[name] / max(counts[name], 1) for name in counts}
-        finite = [g for g in grad_norms if math.isfinite(g)]
-        metrics.update({"grad_norm": sum(finite) / len(finite) if finite else float("nan"),
-                        "nonfinite_skipped": self._nonfinite_skipped,
-                        "learning_rate": self.lr_scheduler.get_last_lr()[0],
-                        "nft/decay": self.old_decay, "nft/optimizer_steps": self.nft_optimizer_steps})
+        metrics.update({"nft/decay": self.old_decay, "nft/optimizer_steps": self.nft_optimizer_steps})
         return metrics
+
+    def loss_terms(self, rollout, idx, step, epoch, batch):
+        k_order, gens = self.training_points(rollout, idx, step, epoch, batch)
+        return [(k_order[:, j], gens) for j in range(k_order.shape[1])]
+
+    def term_loss(self, rollout, idx, term):
+        k_idx, gens = term
+        mask = rollout.train_mask[idx, 0]
+        per_sample, stats = self.nft_point(rollout, idx, k_idx, gens, self._r_all[idx])
+        return masked_mean(per_sample, mask), stats, mask
+
+    def after_microbatch(self, rollout, idx, log):
+        mask = rollout.train_mask[idx, 0]
+        log.add("nft/r_mean", float(self._r_all[idx][mask].sum()), int(mask.sum()))
+
+    def after_optimizer_step(self):
+        self.nft_optimizer_steps += 1
 
     @torch.no_grad()
     def update_old_policy(self) -> float:

@@ -6,11 +6,11 @@ from ..advantages import group_advantages
 from ..kernels import flow_sde_std
 from ..losses import clipped_policy_loss, masked_mean
 from ..trust_region import kl_masked_policy_loss, old_policy_kl
-from .base_trainer import FlowRLTrainer
+from .policy_gradient_trainer import PolicyGradientTrainer
 from .flow_grpo_config import FlowGRPOConfig
 
 
-class FlowGRPOTrainer(FlowRLTrainer):
+class FlowGRPOTrainer(PolicyGradientTrainer):
     """Flow-GRPO, from "Flow-GRPO: Training Flow Matching Models via Online RL" (arXiv 2505.05470).
 
     ```python
