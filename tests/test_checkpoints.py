@@ -243,7 +243,7 @@ def test_random_kills_then_resume_end_bit_identical_to_an_uninterrupted_run(tmp_
     ref.train()
     got = load_file(str(out / f"checkpoint-{steps}" / "pytorch_lora_weights.safetensors"))
     want = load_file(str(tmp_path / "ref" / f"checkpoint-{steps}" / "pytorch_lora_weights.safetensors"))
-    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), codes
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), "final LoRA differs"
     bufs = [mw.buffer_hash(type("T", (), {"replay_buffer": trl_flow.ReplayBuffer.load_from_disk(
         str(d / f"checkpoint-{steps}" / "replay_buffer"))})()) for d in (out, tmp_path / "ref")]
     assert bufs[0] == bufs[1]

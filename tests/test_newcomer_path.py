@@ -15,6 +15,7 @@ import torch
 from conftest import PROMPTS, brightness, tiny_config
 
 from trl_flow import FlowGRPOTrainer
+from trl_flow import storage
 from trl_flow.engine import checkpoints
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,7 +36,7 @@ def test_a_finished_run_without_checkpoints_is_never_silently_replaced(tmp_path,
     first = _trainer(tmp_path, fresh_pipe, max_steps=1, log_images_steps=1)
     first.train()
     first.save_model()
-    lora = out / checkpoints.LORA_WEIGHT_NAME
+    lora = out / storage.LORA_WEIGHT_NAME
     saved = lora.read_bytes()
     log = (out / "log_history.jsonl").read_text()
     assert os.listdir(out / "samples")
@@ -44,7 +45,7 @@ def test_a_finished_run_without_checkpoints_is_never_silently_replaced(tmp_path,
     with pytest.raises(ValueError) as info:
         second.train()
     msg = str(info.value)
-    for name in (checkpoints.LORA_WEIGHT_NAME, "log_history.jsonl", "samples/", "no complete checkpoint to resume",
+    for name in (storage.LORA_WEIGHT_NAME, "log_history.jsonl", "samples/", "no complete checkpoint to resume",
                  "overwrite_output_dir=True"):
         assert name in msg
     assert "resume_from_checkpoint=True" not in msg  # nothing to resume: not offered
@@ -61,13 +62,13 @@ def test_a_finished_run_without_checkpoints_is_never_silently_replaced(tmp_path,
 def test_overwrite_removes_the_earlier_runs_checkpoints(tmp_path, fresh_pipe):
     out = tmp_path / "out"
     _trainer(tmp_path, fresh_pipe, max_steps=2, save_steps=1).train()
-    assert _names(out) == ["checkpoint-1", "checkpoint-2", "log_history.jsonl", checkpoints.LORA_WEIGHT_NAME]
+    assert _names(out) == ["checkpoint-1", "checkpoint-2", "log_history.jsonl", storage.LORA_WEIGHT_NAME]
     with pytest.raises(ValueError, match="checkpoint-1, checkpoint-2, log_history.jsonl.*resume_from_checkpoint=True"):
         _trainer(tmp_path, fresh_pipe, max_steps=1).train()
     (out / "notes.txt").write_text("mine")
     _trainer(tmp_path, fresh_pipe, max_steps=1, save_steps=1, overwrite_output_dir=True).train()
     assert _names(out) == ["checkpoint-1", "log_history.jsonl", "notes.txt",  # only trl_flow's files were removed
-                           checkpoints.LORA_WEIGHT_NAME]
+                           storage.LORA_WEIGHT_NAME]
 
 
 def _names(out) -> list[str]:
@@ -148,8 +149,8 @@ def test_saved_lora_files_follow_the_umask(tmp_path, fresh_pipe):
     finally:
         os.umask(old)
     ckpt = tmp_path / "out" / "checkpoint-1"
-    modes = {p: stat.S_IMODE(os.stat(p).st_mode) for p in (tmp_path / "final" / checkpoints.LORA_WEIGHT_NAME,
-                                                          ckpt / checkpoints.LORA_WEIGHT_NAME,
+    modes = {p: stat.S_IMODE(os.stat(p).st_mode) for p in (tmp_path / "final" / storage.LORA_WEIGHT_NAME,
+                                                          ckpt / storage.LORA_WEIGHT_NAME,
                                                           ckpt / "ema.safetensors", ckpt / "trainer_state.json")}
     assert set(modes.values()) == {0o644}, modes
 
@@ -242,7 +243,7 @@ def test_two_fresh_processes_write_identical_lora_weights_and_metadata(tmp_path)
         env = {**os.environ, "PYTHONHASHSEED": hashseed, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
         subprocess.run([sys.executable, str(script), str(tmp_path / f"run{i}"), "1"], check=True, env=env,
                        capture_output=True, timeout=300)
-        runs.append(_read_safetensors(tmp_path / f"run{i}" / "out" / checkpoints.LORA_WEIGHT_NAME))
+        runs.append(_read_safetensors(tmp_path / f"run{i}" / "out" / storage.LORA_WEIGHT_NAME))
     (meta0, t0), (meta1, t1) = runs
     assert meta0 == meta1
     assert list(meta0["lora_adapter_metadata"]["transformer.target_modules"]) == sorted(

@@ -38,7 +38,7 @@ def _lora(trainer) -> dict:
 def _same_lora(folder, trainer) -> bool:
     from safetensors.torch import load_file
 
-    saved = load_file(os.path.join(folder, checkpoints.LORA_WEIGHT_NAME))
+    saved = load_file(os.path.join(folder, storage.LORA_WEIGHT_NAME))
     trained = _lora(trainer)
     saved = {k.removeprefix("transformer."): v for k, v in saved.items()}
     return saved.keys() == trained.keys() and all(torch.equal(saved[k], trained[k]) for k in trained)
@@ -110,10 +110,10 @@ def test_a_hub_outage_at_the_end_keeps_the_model_and_says_how_to_push_it(flaky_h
 
     # A push retried while the Hub is fully down fails at its access check, and writes the model only once.
     flaky_hub.whoami_up = False
-    mtime = os.stat(out / checkpoints.LORA_WEIGHT_NAME).st_mtime_ns
+    mtime = os.stat(out / storage.LORA_WEIGHT_NAME).st_mtime_ns
     with pytest.raises(RuntimeError, match=r"the Hub at http://127\.0\.0\.1:\d+ cannot be used.*Push it later with"):
         tr.push_to_hub()
-    assert os.stat(out / checkpoints.LORA_WEIGHT_NAME).st_mtime_ns == mtime
+    assert os.stat(out / storage.LORA_WEIGHT_NAME).st_mtime_ns == mtime
 
 
 # --------------------------------------------------------------------- item 3: resuming an older checkpoint
@@ -256,22 +256,22 @@ def test_disk_full_during_the_final_save_keeps_the_weights_for_a_retry(make_trai
     tr = make_trainer(max_steps=1)
     with monkeypatch.context() as m:
         calls = _disk_full_in(m, safetensors.torch, "save_file")
-        with pytest.raises(checkpoints.SaveError) as info:
+        with pytest.raises(storage.SaveError) as info:
             tr.train()
         assert calls
         said = str(info.value)
         assert f"writing the model into {out} failed: the disk mounted at " in said and "is full" in said
         assert "nothing of this save was kept" in said and "call trainer.save_model()" in said
         assert "no checkpoint was saved" in said
-        assert not (out / checkpoints.LORA_WEIGHT_NAME).exists() and not (out / storage.SAVE_TMP_NAME).exists()
+        assert not (out / storage.LORA_WEIGHT_NAME).exists() and not (out / storage.SAVE_TMP_NAME).exists()
         # A folder that already holds a model keeps it, byte for byte.
         other = tmp_path / "other"
         other.mkdir()
-        (other / checkpoints.LORA_WEIGHT_NAME).write_bytes(b"an older model")
-        with pytest.raises(checkpoints.SaveError):
+        (other / storage.LORA_WEIGHT_NAME).write_bytes(b"an older model")
+        with pytest.raises(storage.SaveError):
             tr.save_model(str(other))
-        assert (other / checkpoints.LORA_WEIGHT_NAME).read_bytes() == b"an older model"
-        assert os.listdir(other) == [checkpoints.LORA_WEIGHT_NAME]
+        assert (other / storage.LORA_WEIGHT_NAME).read_bytes() == b"an older model"
+        assert os.listdir(other) == [storage.LORA_WEIGHT_NAME]
     assert tr.save_model() == str(out)  # space again: the weights were kept in memory
     assert _same_lora(out, tr)
 
@@ -290,7 +290,7 @@ def test_disk_full_mid_checkpoint_names_the_disk_and_keeps_the_previous_checkpoi
         return real_save(obj, path, *a, **k)
 
     monkeypatch.setattr(accelerate.checkpointing, "save", save)
-    with pytest.raises(checkpoints.SaveError) as info:
+    with pytest.raises(storage.SaveError) as info:
         tr.train()
     said = str(info.value)
     assert said.startswith(f"checkpoint-2: writing it into {out} failed: the disk mounted at ")

@@ -24,8 +24,6 @@ accelerate's optimizer, RNG and grad-scaler files are read with ``torch.load(wei
 from __future__ import annotations
 
 import dataclasses
-import errno
-import hashlib
 import json
 import math
 import os
@@ -37,8 +35,8 @@ import warnings
 
 from .. import storage
 from ..config_fields import RESUME_KINDS
-from ..storage import (LORA_WEIGHT_NAME, SaveError, describe_write_error, follow_umask, read_json, sha256,
-                       write_atomically, write_json)
+from ..storage import (SaveError, describe_write_error, follow_umask, read_json, sha256,
+                       write_json)
 from . import distributed
 
 COMPLETE_NAME = "checkpoint_complete.json"

@@ -219,27 +219,27 @@ def check_trainer(trainer) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ wrapping
-def prepare(trainer, transformer, optimizer, save_hook=None, load_hook=None):
-    """``accelerator.prepare`` the trained transformer and its optimizer; returns (model, optimizer).
+def prepare(acc, transformer, optimizer, ref_model=None, save_hook=None, load_hook=None):
+    """``accelerator.prepare`` the trained transformer and its optimizer; returns (model, optimizer, trainable
+    parameters, reference copy).
 
-    Rebuilds ``trainer.trainable_params`` from the prepared model (FSDP2 replaces every parameter by a DTensor
-    one), shards the frozen reference copy (``finetune="full"``, ``beta > 0``) like the model, and registers the
-    caller's save-state / load-state pre-hooks (the checkpoints' LoRA file, for a LoRA run)."""
-    acc = trainer.accelerator
+    The trainable parameters are read from the prepared model (FSDP2 replaces every parameter by a DTensor one); the
+    frozen reference copy (``finetune="full"``, ``beta > 0``) is sharded like the model; the caller's save-state /
+    load-state pre-hooks are registered (the checkpoints' LoRA file, for a LoRA run)."""
     model, optimizer = acc.prepare(transformer, optimizer)
-    trainer.trainable_params = [p for p in model.parameters() if p.requires_grad]
-    if is_fsdp(acc) and trainer.ref_model is not None:
+    trainable_params = [p for p in model.parameters() if p.requires_grad]
+    if is_fsdp(acc) and ref_model is not None:
         from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
-        trainer.ref_model = fsdp2_prepare_model(acc, trainer.ref_model)
+        ref_model = fsdp2_prepare_model(acc, ref_model)
         # Forward passes only: reshard the root's parameters after each too (accelerate keeps the trained root's
         # gathered until its backward pass, which the reference never has).
-        trainer.ref_model.set_reshard_after_forward(True)
+        ref_model.set_reshard_after_forward(True)
     if save_hook is not None:
         acc.register_save_state_pre_hook(save_hook)
     if load_hook is not None:
         acc.register_load_state_pre_hook(load_hook)
-    return model, optimizer
+    return model, optimizer, trainable_params, ref_model
 
 
 def full_tensors(tensors):

@@ -35,7 +35,6 @@ def check_launch(accelerator) -> None:
 
 def _nearest(value: int, ok) -> list[int]:
     """The closest integers >= 1 below and above ``value`` for which ``ok`` holds."""
-    out = []
     lo = next((v for v in range(value - 1, 0, -1) if ok(v)), None)
     hi = next((v for v in range(value + 1, value * 64 + 64) if ok(v)), None)
     return [v for v in (lo, hi) if v is not None]

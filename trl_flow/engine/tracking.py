@@ -10,8 +10,6 @@ Tags: ``images/<split>`` (+ ``images/<split>/captions`` on tensorboard), ``hist/
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..video import grid, to_pil  # noqa: F401  (grid: re-exported for the trainers)

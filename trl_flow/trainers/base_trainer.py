@@ -146,8 +146,15 @@ class FlowRLTrainer:
         compute_rewards(self.reward_funcs, self.reward_names, self.reward_weights, images, prompts, rows)
 
     def _setup_model(self):
-        """Dtypes, LoRA (or full weights), reference, optimizer, LR schedule, EMA: :mod:`.model_setup`."""
-        model_setup.setup_model(self)
+        """Dtypes, LoRA (or full weights), reference, optimizer, LR schedule, EMA: :func:`.model_setup.setup_model`
+        builds them; the trainer holds them."""
+        hooks = checkpoints.lora_state_hooks(self) if self.config.finetune == "lora" else (None, None)
+        state = model_setup.setup_model(self.config, self.accelerator, self.adapter, hooks)
+        self.model, self.optimizer, self.lr_scheduler, self.ema = (state.model, state.optimizer, state.lr_scheduler,
+                                                                   state.ema)
+        self.ref_model, self.trainable_params = state.ref_model, state.trainable_params
+        self.weight_dtype, self.offloader = state.weight_dtype, state.offloader
+        self.optimizer_steps_per_iteration = state.optimizer_steps_per_iteration
 
     # -------------------------------------------------------------------------------------------- randomness
     def _generator(self, step: int, purpose: str, per_process: bool = False, device="cpu") -> torch.Generator:
