@@ -870,11 +870,6 @@ def test_diffusion_nft_numbers_are_the_committed_results():
     assert all(c["test"]["word"] == "within the noise" and 1.2 <= c["ratio"] < 1.35 for c in steps)
     assert (f"within the noise at 5e-4 and 2e-3 ({page.stat_text(steps[0]['test'])}; "
             f"{page.stat_text(steps[1]['test'])})") in flat
-    readme = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
-    fg_base = json.load(open(os.path.join(ROOT, "benchmarks", "results", "shapes_tier2_op", "results.json")))
-    row = (f"3 seeds: {p['base']:.3f} -> " + " / ".join(f"{x:.3f}" for x in nft) + " at lr 5e-4 / 1e-3 / 2e-3 "
-           f"(Flow-GRPO with CFG: {fg_base['summary']['base']:.3f} -> " + " / ".join(f"{x:.3f}" for x in fg) + ")")
-    assert row in readme and "| `DiffusionNFTTrainer` /" in readme, row
 
 
 def test_diffusion_nft_tier3_numbers_are_the_committed_results():
@@ -907,9 +902,6 @@ def test_diffusion_nft_tier3_numbers_are_the_committed_results():
             f"{fast['steps_to_target_raw'][-1]}, at {statistics.mean(fast['kl']) / statistics.mean(ref['kl']):.2f}x "
             "Flow-GRPO's KL") in flat and t_fast > 0
     assert page.significance(fast["final"], ref["final"])["word"] == "within the noise"
-    readme = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
-    assert (f"tier 3 (held-out prompts), with CFG: within the noise of Flow-GRPO at {kl[0]:.2f}-{kl[1]:.2f}x "
-            "its KL") in readme
     free_rates = [free["methods"][f"diffusion_nft@{lr}"] for lr in ("0.0005", "0.001", "0.002")]
     assert all(len(m["seeds"]) == 3 for m in free_rates)
     finals = [statistics.mean(m["final"]) for m in free_rates]
@@ -1001,6 +993,9 @@ def test_diffusion_nft_with_cfg_numbers_are_the_committed_results():
     quoted = f"{page.fmt(c['a'], 0)} against {page.fmt(c['b'], 0)} ({page.stat_text(c['test'])}, within the noise)"
     assert quoted in flat
     assert c["test"]["word"] == "within the noise"
-    readme = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
-    assert (f"with CFG at lr 1e-3: {page.fmt(page.ms(a['final']))} against Flow-GRPO's {page.fmt(page.ms(b['final']))} "
-            f"(3 seeds, t {t:+.1f})") in readme
+    # what the README's trainer table says of DiffusionNFT with CFG: above Flow-GRPO on set A at lr 1e-3 and 2e-3,
+    # at a third of its KL or less
+    for lr in ("0.001", "0.002"):
+        a, b = p["methods"][f"diffusion_nft_cfg@{lr}"], p["methods"][f"flow_grpo@{lr}"]
+        assert page.significance(a["final"], b["final"], better="higher")["word"] == "holds", lr
+        assert statistics.mean(a["kl"]) <= statistics.mean(b["kl"]) / 3, lr
