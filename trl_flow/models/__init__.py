@@ -20,6 +20,7 @@ _ADAPTERS: dict[str, type | str] = {
     "FluxKontextPipeline": ".flux_kontext:FluxKontextAdapter",
     "QwenImageEditPipeline": ".qwen_image_edit:QwenImageEditAdapter",
     "QwenImageEditPlusPipeline": ".qwen_image_edit:QwenImageEditPlusAdapter",
+    "WanImageToVideoPipeline": ".wan_i2v:WanImageToVideoAdapter",  # Wan2.1-I2V and Wan2.2-I2V-A14B
 }
 _entry_points_loaded = False
 

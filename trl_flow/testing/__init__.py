@@ -231,6 +231,7 @@ _FAMILY_BUILDERS = {
     "tiny_zimage_pipeline": "zimage",
     "tiny_flux_kontext_pipeline": "flux_kontext",
     "tiny_qwen_image_edit_pipeline": "qwen_image_edit",
+    "tiny_wan_i2v_pipeline": "wan_i2v",
 }
 
 
