@@ -37,8 +37,15 @@ class Family:
     sources: bool = False  # conditioned on the dataset's source_image column
     output: str = "frames"  # pipe()'s output attribute
     pack: Callable | None = None  # adapter, states -> what pipe(output_type="latent") returns
+    pixels: Callable | None = None  # pipe(output_type="pt")'s output -> what decode returns (Qwen-Image 2.1: RGB)
     bad_sizes: tuple = ()  # (config overrides, message) refused before any compute
     recipe: tuple[str, str] | None = None  # (GPU recipe in trl_flow/recipes, its Hub id), trained at a tiny size
+
+
+def _qwen21():
+    from trl_flow.testing import tiny_qwen_image21_pipeline
+
+    return tiny_qwen_image21_pipeline()
 
 
 def _wan_i2v(form):
@@ -57,6 +64,20 @@ FAMILIES = [
            config={"num_frames": 5}, sources=True,
            bad_sizes=(({"width": 24}, "multiples of 16"), ({"num_frames": 6}, "num_frames=6: Wan needs 4k \\+ 1")),
            recipe=("wan22_i2v_a14b_flow_grpo", "Wan-AI/Wan2.2-I2V-A14B-Diffusers")),
+    # Qwen-Image 2.1: 64 px wide (multiples of 32); parity without the pipeline's KV cache (test_models_qwen_image21)
+    Family("qwen-image-2.1", _qwen21, "QwenImage21Adapter", width=64, guidance=(1.0, 4.0),
+           guidance_arg="true_cfg_scale",
+           options={"negative_prompt": "ugly"}, pipe_kwargs={"negative_prompt": "ugly", "use_kv_cache": False},
+           output="images", pack=lambda adapter, x: adapter.pack(x), pixels=lambda d: d[:, :3],
+           config={"max_sequence_length": 64}, bad_sizes=(({"height": 48}, "multiples of 32"),)),
+    Family("qwen-image-2.1-edit", _qwen21, "QwenImage21Adapter", width=64, guidance=(1.0, 4.0),
+           guidance_arg="true_cfg_scale",
+           options={"negative_prompt": "ugly", "conditions_on_source": True, "output_resolution": 32},
+           pipe_kwargs={"negative_prompt": "ugly", "use_kv_cache": False, "output_resolution": 32},
+           output="images", pack=lambda adapter, x: adapter.pack(x), pixels=lambda d: d[:, :3], sources=True,
+           config={"max_sequence_length": 64, "source_image_size": "output"},  # the trainer: 32 x 32 = 32 ** 2
+           bad_sizes=(({"width": 40}, "multiples of 32"),),
+           recipe=("qwen_image21_flow_grpo", "Qwen/Qwen-Image-2.1")),
 ]
 IDS = [f.name for f in FAMILIES]
 
@@ -76,9 +97,13 @@ def _prompts(family):
 def _call(family, prompts, src, K, guidance_scale, height, width):
     """pipe()'s keyword arguments for these prompts (one source for all of them where the family takes one)."""
     call = dict(prompt=list(prompts), height=height, width=width, num_inference_steps=K,
-                max_sequence_length=MAX_SEQ, **{family.guidance_arg: guidance_scale})
+                **{family.guidance_arg: guidance_scale})
+    if family.guidance_arg == "guidance_scale":  # (Qwen-Image 2.1's pipeline takes no max_sequence_length)
+        call["max_sequence_length"] = MAX_SEQ
     for k, v in family.pipe_kwargs.items():
-        call[k] = [v] * len(prompts) if k == "negative_prompt" else v
+        if k == "negative_prompt":
+            v = [v] * len(prompts) if guidance_scale > 1 else None  # (pipe() warns about an unused one)
+        call[k] = v
     if family.sources:
         call["image"] = src
     return call
@@ -103,26 +128,34 @@ def test_ode_rollout_reproduces_pipeline_exactly(family, guided):
     adapter = _adapter(family, pipe, H, W)
     assert type(adapter).__name__ == family.adapter_class
     g = family.guidance[guided]
+    max_seq = family.config.get("max_sequence_length", MAX_SEQ)
     prompts = _prompts(family)[:2]
+    # an image-conditioned sample is encoded alone (its conditioning must not depend on its batch): one pipe() call
+    # per prompt; a text family's batch is encoded as pipe() encodes it
+    batches = [[p] for p in prompts] if family.sources else [prompts]
     src = source(0, (40, 24)) if family.sources else None
-    call = _call(family, prompts, src, K, g, H, W)
-    expected = getattr(pipe(generator=torch.Generator().manual_seed(3), output_type="latent", **call), family.output)
-    decoded = getattr(pipe(generator=torch.Generator().manual_seed(3), output_type="pt", **call), family.output)
-    noise = adapter.initial_noise(len(prompts), H, W, torch.Generator().manual_seed(3))
-    with torch.no_grad():  # as the trainer encodes
-        images = {"images": [src] * len(prompts)} if family.sources else {}
-        embeds = adapter.encode_prompts(prompts, g > 1, MAX_SEQ, **images)
-    assert ("negative_prompt_embeds" in embeds) == (g > 1)
     schedule = adapter.schedule(K, H, W)
     assert schedule.num_steps == K and float(schedule.sigmas[0]) == 1.0 and float(schedule.sigmas[-1]) == 0.0
-    traj = sample_trajectories(adapter, adapter.trainable_module(), embeds, noise, schedule, ["ode"] * K, 0.0, g,
-                               batch_size=len(prompts))
-    final = traj["states"][:, -1]
-    assert final.shape == (len(prompts), *adapter.latent_shape(H, W))
-    assert torch.equal(family.pack(adapter, final) if family.pack else final, expected)
-    with torch.no_grad():
-        ours = adapter.decode(final)
-    assert ours.shape == (len(prompts), *adapter.output_shape(H, W)) and torch.equal(ours, decoded)
+    for seed, batch in enumerate(batches):
+        call = _call(family, batch, src, K, g, H, W)
+        expected = getattr(pipe(generator=torch.Generator().manual_seed(seed), output_type="latent", **call),
+                           family.output)
+        decoded = getattr(pipe(generator=torch.Generator().manual_seed(seed), output_type="pt", **call),
+                          family.output)
+        noise = adapter.initial_noise(len(batch), H, W, torch.Generator().manual_seed(seed))
+        with torch.no_grad():  # as the trainer encodes
+            images = {"images": [src] * len(batch)} if family.sources else {}
+            embeds = adapter.encode_prompts(batch, g > 1, max_seq, **images)
+        assert ("negative_prompt_embeds" in embeds) == (g > 1)
+        traj = sample_trajectories(adapter, adapter.trainable_module(), embeds, noise, schedule, ["ode"] * K, 0.0, g,
+                                   batch_size=len(batch))
+        final = traj["states"][:, -1]
+        assert final.shape == (len(batch), *adapter.latent_shape(H, W))
+        assert torch.equal(family.pack(adapter, final) if family.pack else final, expected)
+        with torch.no_grad():
+            ours = adapter.decode(final)
+        decoded = family.pixels(decoded) if family.pixels else decoded
+        assert ours.shape == (len(batch), *adapter.output_shape(H, W)) and torch.equal(ours, decoded)
 
 
 # ---------------------------------------------------------------------------------------- every trainer
@@ -143,8 +176,9 @@ def _config(config_class, tmp_path, family, **overrides):
         output_dir=str(tmp_path / "out"), max_steps=1, num_generations=2, prompts_per_step=2,
         per_device_train_batch_size=4, height=32, width=32, max_sequence_length=MAX_SEQ, num_inference_steps=3,
         eval_num_inference_steps=3, per_device_eval_batch_size=4, guidance_scale=family.guidance[1], lora_r=4,
-        lora_alpha=8, learning_rate=1e-2, clip_range=5e-2, beta=0.01, disable_tqdm=True, **family.config,
+        lora_alpha=8, learning_rate=1e-2, clip_range=5e-2, beta=0.01, disable_tqdm=True,
     )
+    kwargs.update(family.config)
     kwargs.update(overrides)
     return config_class(**kwargs)
 
@@ -234,11 +268,12 @@ def test_recipe_settings_train_on_the_tiny_pipeline(tmp_path, family):
     name, hub_id = family.recipe
     script, config, _ = cli.parse_args("grpo", ["--config", name])
     assert script.model_name_or_path == hub_id
-    config = dataclasses.replace(
-        config, output_dir=str(tmp_path / "out"), height=32, width=32, max_sequence_length=MAX_SEQ,
-        num_generations=2, prompts_per_step=2, per_device_train_batch_size=2, gradient_accumulation_steps=1,
-        max_steps=1, bf16=False, gradient_checkpointing=False, disable_tqdm=True, eval_num_inference_steps=4,
-        per_device_eval_batch_size=2, **{k: v for k, v in family.config.items() if k == "num_frames"})
+    tiny = dict(output_dir=str(tmp_path / "out"), height=32, width=32, max_sequence_length=MAX_SEQ, num_generations=2,
+                prompts_per_step=2, per_device_train_batch_size=2, gradient_accumulation_steps=1, max_steps=1,
+                bf16=False, gradient_checkpointing=False, disable_tqdm=True, eval_num_inference_steps=4,
+                per_device_eval_batch_size=2)
+    tiny.update({k: v for k, v in family.config.items() if k in ("num_frames", "max_sequence_length")})
+    config = dataclasses.replace(config, **tiny)
     trainer = FlowGRPOTrainer(config, family.make_pipe(), [_brightness], train_dataset=_dataset(family, tmp_path))
     assert type(trainer.adapter).__name__ == family.adapter_class
     state = trainer.train()

@@ -21,6 +21,7 @@ _ADAPTERS: dict[str, type | str] = {
     "QwenImageEditPipeline": ".qwen_image_edit:QwenImageEditAdapter",
     "QwenImageEditPlusPipeline": ".qwen_image_edit:QwenImageEditPlusAdapter",
     "WanImageToVideoPipeline": ".wan_i2v:WanImageToVideoAdapter",  # Wan2.1-I2V and Wan2.2-I2V-A14B
+    "QwenImage21Pipeline": ".qwen_image21:QwenImage21Adapter",  # generation, and editing with a source
 }
 _entry_points_loaded = False
 

@@ -232,6 +232,7 @@ _FAMILY_BUILDERS = {
     "tiny_flux_kontext_pipeline": "flux_kontext",
     "tiny_qwen_image_edit_pipeline": "qwen_image_edit",
     "tiny_wan_i2v_pipeline": "wan_i2v",
+    "tiny_qwen_image21_pipeline": "qwen_image21",
 }
 
 
