@@ -32,7 +32,10 @@ class Family:
     guidance: tuple[float, float] = (1.0, 4.5)  # guidance off, on
     options: dict = field(default_factory=dict)  # adapter options
     pipe_kwargs: dict = field(default_factory=dict)  # what pipe() needs besides prompt, size, steps, guidance
-    guidance_arg: str = "guidance_scale"  # pipe()'s name for the trainer's guidance_scale
+    guidance_arg: str | None = "guidance_scale"  # pipe()'s name for guidance_scale; None: set_guidance sets it
+    set_guidance: Callable | None = None  # (pipe, guidance_scale) -> None, where the pipeline holds its guidance
+    takes_max_sequence_length: bool = True  # pipe() has a max_sequence_length argument
+    batches_of_one: bool = False  # compare with one pipe() call per prompt (as always where sources condition)
     config: dict = field(default_factory=dict)  # trainer config fields of the family
     sources: bool = False  # conditioned on the dataset's source_image column
     output: str = "frames"  # pipe()'s output attribute
@@ -46,6 +49,16 @@ def _qwen21():
     from trl_flow.testing import tiny_qwen_image21_pipeline
 
     return tiny_qwen_image21_pipeline()
+
+
+def _hunyuan15():
+    from trl_flow.testing import tiny_hunyuan_video15_pipeline
+
+    return tiny_hunyuan_video15_pipeline()
+
+
+def _set_guider(pipe, guidance_scale):
+    pipe.guider = pipe.guider.new(guidance_scale=guidance_scale)
 
 
 def _wan_i2v(form):
@@ -78,6 +91,13 @@ FAMILIES = [
            config={"max_sequence_length": 64, "source_image_size": "output"},  # the trainer: 32 x 32 = 32 ** 2
            bad_sizes=(({"width": 40}, "multiples of 32"),),
            recipe=("qwen_image21_flow_grpo", "Qwen/Qwen-Image-2.1")),
+    # HunyuanVideo-1.5: the guidance is the pipeline's guider; its VAE decodes one video at a time
+    Family("hunyuan-video-1.5", _hunyuan15, "HunyuanVideo15Adapter", options={"num_frames": 5, "negative_prompt": "x"},
+           pipe_kwargs={"num_frames": 5, "negative_prompt": "x"}, guidance_arg=None, set_guidance=_set_guider,
+           takes_max_sequence_length=False, batches_of_one=True, config={"num_frames": 5},
+           bad_sizes=(({"height": 40}, "multiples of 16"),
+                      ({"num_frames": 6}, "num_frames=6: HunyuanVideo-1.5 needs 4k \\+ 1")),
+           recipe=("hunyuan_video15_t2v_flow_grpo", "hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v")),
 ]
 IDS = [f.name for f in FAMILIES]
 
@@ -96,9 +116,10 @@ def _prompts(family):
 
 def _call(family, prompts, src, K, guidance_scale, height, width):
     """pipe()'s keyword arguments for these prompts (one source for all of them where the family takes one)."""
-    call = dict(prompt=list(prompts), height=height, width=width, num_inference_steps=K,
-                **{family.guidance_arg: guidance_scale})
-    if family.guidance_arg == "guidance_scale":  # (Qwen-Image 2.1's pipeline takes no max_sequence_length)
+    call = dict(prompt=list(prompts), height=height, width=width, num_inference_steps=K)
+    if family.guidance_arg is not None:
+        call[family.guidance_arg] = guidance_scale
+    if family.takes_max_sequence_length:
         call["max_sequence_length"] = MAX_SEQ
     for k, v in family.pipe_kwargs.items():
         if k == "negative_prompt":
@@ -132,7 +153,9 @@ def test_ode_rollout_reproduces_pipeline_exactly(family, guided):
     prompts = _prompts(family)[:2]
     # an image-conditioned sample is encoded alone (its conditioning must not depend on its batch): one pipe() call
     # per prompt; a text family's batch is encoded as pipe() encodes it
-    batches = [[p] for p in prompts] if family.sources else [prompts]
+    batches = [[p] for p in prompts] if family.sources or family.batches_of_one else [prompts]
+    if family.set_guidance:
+        family.set_guidance(pipe, g)
     src = source(0, (40, 24)) if family.sources else None
     schedule = adapter.schedule(K, H, W)
     assert schedule.num_steps == K and float(schedule.sigmas[0]) == 1.0 and float(schedule.sigmas[-1]) == 0.0
@@ -232,9 +255,11 @@ def test_lora_round_trips_through_the_pipelines_loader(tmp_path, family):
             return getattr(pipe(generator=torch.Generator().manual_seed(0), output_type="latent", **call),
                            family.output)
 
+    if family.set_guidance:
+        family.set_guidance(fresh, family.guidance[1])
+        family.set_guidance(trainer.pipe, family.guidance[1])
     base = run(fresh)
-    exec(trainer.adapter.lora_load_code(out), {"pipe": fresh})
-    assert "load_lora_weights" in trainer.adapter.lora_load_code(out)
+    exec(trainer.adapter.lora_load_code(out), {"pipe": fresh})  # the model card's snippet: the pipeline's loader
     loaded, trained = run(fresh), run(trainer.pipe)
     assert torch.equal(loaded, trained)
     assert (loaded - base).abs().max() > 1e-4  # the LoRA is not a no-op

@@ -22,6 +22,7 @@ _ADAPTERS: dict[str, type | str] = {
     "QwenImageEditPlusPipeline": ".qwen_image_edit:QwenImageEditPlusAdapter",
     "WanImageToVideoPipeline": ".wan_i2v:WanImageToVideoAdapter",  # Wan2.1-I2V and Wan2.2-I2V-A14B
     "QwenImage21Pipeline": ".qwen_image21:QwenImage21Adapter",  # generation, and editing with a source
+    "HunyuanVideo15Pipeline": ".hunyuan_video15:HunyuanVideo15Adapter",
 }
 _entry_points_loaded = False
 

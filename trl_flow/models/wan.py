@@ -26,9 +26,9 @@ def _check_guidance_scale_2(value, two_experts: bool):
     return float(value)
 
 
-def _check_num_frames(num_frames, temporal: int, name: str = "num_frames") -> int:
+def _check_num_frames(num_frames, temporal: int, name: str = "num_frames", family: str = "Wan") -> int:
     if not isinstance(num_frames, int) or num_frames < 1 or (num_frames - 1) % temporal:
-        raise ValueError(f"{name}={num_frames!r}: Wan needs {temporal}k + 1 frames (the VAE compresses time by "
+        raise ValueError(f"{name}={num_frames!r}: {family} needs {temporal}k + 1 frames (the VAE compresses time by "
                          f"{temporal}), e.g. 33 or 81")
     return num_frames
 
