@@ -308,3 +308,16 @@ def test_recipe_settings_train_on_the_tiny_pipeline(tmp_path, family):
         params = getattr(trainer.pipe, name).named_parameters()
         adapted = {n.rsplit(".lora_", 1)[0] for n, _ in params if ".lora_" in n}
         assert all(any(a.endswith(t) for a in adapted) for t in targets), (name, targets)
+
+
+def test_ltx2_is_refused_naming_why_and_what_to_do():
+    """LTX-2 (joint video and audio denoising) has no adapter: the refusal says why and names the alternatives; a
+    registered adapter would take precedence."""
+    from diffusers import DiffusionPipeline
+
+    ltx2 = type("LTX2Pipeline", (DiffusionPipeline,), {})
+    with pytest.raises(TypeError, match="LTX2Pipeline is not supported: LTX-2 denoises video and audio together.*"
+                                        "audio branch cannot be dropped.*WanPipeline, HunyuanVideo15Pipeline"):
+        get_adapter(ltx2())
+    with pytest.raises(TypeError, match="MyLTX2 is not supported"):
+        get_adapter(type("MyLTX2", (ltx2,), {})())  # a subclass too
