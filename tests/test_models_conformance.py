@@ -43,6 +43,7 @@ class Family:
     pixels: Callable | None = None  # pipe(output_type="pt")'s output -> what decode returns (Qwen-Image 2.1: RGB)
     bad_sizes: tuple = ()  # (config overrides, message) refused before any compute
     recipe: tuple[str, str] | None = None  # (GPU recipe in trl_flow/recipes, its Hub id), trained at a tiny size
+    resume: bool = False  # run the resume / evaluation test (where the family stores or chooses more than the default)
 
 
 def _qwen21():
@@ -74,20 +75,21 @@ FAMILIES = [
            config={"num_frames": 5}, sources=True,
            bad_sizes=(({"height": 40}, "multiples of 16"), ({"num_frames": 8}, "num_frames=8: Wan needs 4k \\+ 1"))),
     Family("wan22-i2v-a14b", _wan_i2v("2.2"), "WanImageToVideoAdapter", options=_WAN_CALL, pipe_kwargs=_WAN_CALL,
-           config={"num_frames": 5}, sources=True,
+           config={"num_frames": 5}, sources=True, resume=True,  # two experts' LoRA files and the condition
            bad_sizes=(({"width": 24}, "multiples of 16"), ({"num_frames": 6}, "num_frames=6: Wan needs 4k \\+ 1")),
            recipe=("wan22_i2v_a14b_flow_grpo", "Wan-AI/Wan2.2-I2V-A14B-Diffusers")),
     # Qwen-Image 2.1: 64 px wide (multiples of 32); parity without the pipeline's KV cache (test_models_qwen_image21)
     Family("qwen-image-2.1", _qwen21, "QwenImage21Adapter", width=64, guidance=(1.0, 4.0),
-           guidance_arg="true_cfg_scale",
+           guidance_arg="true_cfg_scale", takes_max_sequence_length=False,
            options={"negative_prompt": "ugly"}, pipe_kwargs={"negative_prompt": "ugly", "use_kv_cache": False},
            output="images", pack=lambda adapter, x: adapter.pack(x), pixels=lambda d: d[:, :3],
            config={"max_sequence_length": 64}, bad_sizes=(({"height": 48}, "multiples of 32"),)),
     Family("qwen-image-2.1-edit", _qwen21, "QwenImage21Adapter", width=64, guidance=(1.0, 4.0),
-           guidance_arg="true_cfg_scale",
+           guidance_arg="true_cfg_scale", takes_max_sequence_length=False,
            options={"negative_prompt": "ugly", "conditions_on_source": True, "output_resolution": 32},
            pipe_kwargs={"negative_prompt": "ugly", "use_kv_cache": False, "output_resolution": 32},
            output="images", pack=lambda adapter, x: adapter.pack(x), pixels=lambda d: d[:, :3], sources=True,
+           resume=True,  # a fresh trainer must choose editing again from the dataset
            config={"max_sequence_length": 64, "source_image_size": "output"},  # the trainer: 32 x 32 = 32 ** 2
            bad_sizes=(({"width": 40}, "multiples of 32"),),
            recipe=("qwen_image21_flow_grpo", "Qwen/Qwen-Image-2.1")),
@@ -263,6 +265,50 @@ def test_lora_round_trips_through_the_pipelines_loader(tmp_path, family):
     loaded, trained = run(fresh), run(trainer.pipe)
     assert torch.equal(loaded, trained)
     assert (loaded - base).abs().max() > 1e-4  # the LoRA is not a no-op
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f.resume], ids=[f.name for f in FAMILIES if f.resume])
+def test_resume_repeats_an_uninterrupted_run_and_evaluates_with_the_sources(tmp_path, family):
+    """3 iterations straight == 1, a checkpoint, then a fresh trainer and pipeline resumed for 2 more: every trained
+    LoRA weight and the logged values bit for bit; evaluation (before the first iteration, every 2 and after the
+    last) conditions each eval prompt on its own source, as generate(columns=...) does."""
+    import numpy as np
+
+    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
+
+    dataset = _dataset(family, tmp_path)
+
+    def run(name, max_steps, resume=None, **kw):
+        config = _config(FlowGRPOConfig, tmp_path, family, output_dir=str(tmp_path / name), max_steps=max_steps,
+                         prompts_per_step=2, learning_rate=3e-3, **kw)  # (no EMA: evaluation samples the policy)
+        trainer = FlowGRPOTrainer(config, family.make_pipe(), [_brightness], train_dataset=dataset,
+                                  eval_dataset=dataset.select([0, 1]) if family.sources else None)
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    def lora(trainer):
+        return {n: p.detach().clone() for n, p in trainer.adapter.trainable_module().named_parameters()
+                if "lora_" in n}
+
+    straight = run("a", 3, eval_steps=2, per_device_eval_batch_size=2)
+    run("b", 1, save_steps=1)
+    torch.manual_seed(1234)
+    resumed = run("b", 3, resume=str(tmp_path / "b" / "checkpoint-1"), save_steps=1)
+    assert resumed.state.global_step == 3
+    wa, wb = lora(straight), lora(resumed)
+    assert wa.keys() == wb.keys() and wa and all(torch.equal(wa[k], wb[k]) for k in wa)
+    keys = ("loss", "reward", "ratio_max")
+    train_logs = [[e[k] for k in keys] for e in straight.state.log_history if "loss" in e]
+    assert [[e[k] for k in keys] for e in resumed.state.log_history[1:] if "loss" in e] == train_logs[1:]
+    if family.sources:
+        rows = dataset.select([0, 1])[:]
+        images, _ = straight.generate(rows["prompt"], seed=straight.config.seed + 10_007,
+                                      columns={"source_image": rows["source_image"]})
+        assert torch.equal(images, straight.last_eval_images)
+        assert np.isfinite([e["eval/reward"] for e in straight.state.log_history if "eval/reward" in e]).all()
+        swapped, _ = straight.generate(rows["prompt"], seed=straight.config.seed + 10_007,
+                                       columns={"source_image": rows["source_image"][::-1]})
+        assert not torch.allclose(images, swapped)
 
 
 # ------------------------------------------------------------------------------------------------ bad input
