@@ -31,11 +31,13 @@ class Family:
     width: int = 48  # non-square: a swapped height / width shows
     guidance: tuple[float, float] = (1.0, 4.5)  # guidance off, on
     options: dict = field(default_factory=dict)  # adapter options
+    train_options: dict | None = None  # the trainers get get_adapter(pipe, **train_options); None: the pipeline
     pipe_kwargs: dict = field(default_factory=dict)  # what pipe() needs besides prompt, size, steps, guidance
     guidance_arg: str | None = "guidance_scale"  # pipe()'s name for guidance_scale; None: set_guidance sets it
     set_guidance: Callable | None = None  # (pipe, guidance_scale) -> None, where the pipeline holds its guidance
     takes_max_sequence_length: bool = True  # pipe() has a max_sequence_length argument
     batches_of_one: bool = False  # compare with one pipe() call per prompt (as always where sources condition)
+    guides_at_one: bool = False  # the negative prompt is encoded at guidance_scale 1 too (LTX-2's audio CFG)
     config: dict = field(default_factory=dict)  # trainer config fields of the family
     sources: bool = False  # conditioned on the dataset's source_image column
     output: str = "frames"  # pipe()'s output attribute
@@ -62,6 +64,17 @@ def _set_guider(pipe, guidance_scale):
     pipe.guider = pipe.guider.new(guidance_scale=guidance_scale)
 
 
+def _ltx2():
+    from trl_flow.testing import tiny_ltx2_pipeline
+
+    return tiny_ltx2_pipeline()
+
+
+def _trainer_input(family):
+    pipe = family.make_pipe()
+    return pipe if family.train_options is None else get_adapter(pipe, **family.train_options)
+
+
 def _wan_i2v(form):
     from trl_flow.testing import tiny_wan_i2v_pipeline
 
@@ -69,6 +82,7 @@ def _wan_i2v(form):
 
 
 _WAN_CALL = {"num_frames": 9, "negative_prompt": "ugly"}  # adapter options and pipe() arguments alike
+_LTX2 = {"num_frames": 5, "frame_rate": 25.0, "negative_prompt": "ugly", "spatio_temporal_guidance_blocks": [1]}
 
 FAMILIES = [
     Family("wan21-i2v", _wan_i2v("2.1"), "WanImageToVideoAdapter", options=_WAN_CALL, pipe_kwargs=_WAN_CALL,
@@ -100,6 +114,14 @@ FAMILIES = [
            bad_sizes=(({"height": 40}, "multiples of 16"),
                       ({"num_frames": 6}, "num_frames=6: HunyuanVideo-1.5 needs 4k \\+ 1")),
            recipe=("hunyuan_video15_t2v_flow_grpo", "hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v")),
+    # LTX-2: the state is the video and audio latents together; pipe()'s guidance defaults (audio CFG, STG on block
+    # 1 of the tiny transformer, modality isolation, rescale); the pipeline takes sizes in multiples of 32
+    Family("ltx-2", _ltx2, "LTX2Adapter", width=64, guidance=(1.0, 3.0), options=_LTX2, pipe_kwargs=_LTX2,
+           guides_at_one=True,
+           train_options={k: v for k, v in _LTX2.items() if k not in ("num_frames", "negative_prompt")},
+           output="frames", pack=lambda adapter, x: adapter.pipe_latents(x)[0], config={"num_frames": 5},
+           bad_sizes=(({"height": 48}, "multiples of 32"), ({"num_frames": 4}, "num_frames=4: LTX-2 needs 2k \\+ 1")),
+           recipe=("ltx2_t2v_flow_grpo", "Lightricks/LTX-2")),
 ]
 IDS = [f.name for f in FAMILIES]
 
@@ -124,9 +146,7 @@ def _call(family, prompts, src, K, guidance_scale, height, width):
     if family.takes_max_sequence_length:
         call["max_sequence_length"] = MAX_SEQ
     for k, v in family.pipe_kwargs.items():
-        if k == "negative_prompt":
-            v = [v] * len(prompts) if guidance_scale > 1 else None  # (pipe() warns about an unused one)
-        call[k] = v
+        call[k] = [v] * len(prompts) if k == "negative_prompt" else v  # (LTX-2 guides its audio even at 1)
     if family.sources:
         call["image"] = src
     return call
@@ -171,7 +191,7 @@ def test_ode_rollout_reproduces_pipeline_exactly(family, guided):
         with torch.no_grad():  # as the trainer encodes
             images = {"images": [src] * len(batch)} if family.sources else {}
             embeds = adapter.encode_prompts(batch, g > 1, max_seq, **images)
-        assert ("negative_prompt_embeds" in embeds) == (g > 1)
+        assert any(k.startswith("negative_") for k in embeds) == (g > 1 or family.guides_at_one)
         traj = sample_trajectories(adapter, adapter.trainable_module(), embeds, noise, schedule, ["ode"] * K, 0.0, g,
                                    batch_size=len(batch))
         final = traj["states"][:, -1]
@@ -225,7 +245,7 @@ def test_every_trainer_trains_one_iteration(tmp_path, family, trainer_class):
         return _brightness(images, prompts)
 
     config = _config(trainer_class.config_class, tmp_path, family)
-    trainer = trainer_class(config, family.make_pipe(), [reward], train_dataset=_dataset(family, tmp_path))
+    trainer = trainer_class(config, _trainer_input(family), [reward], train_dataset=_dataset(family, tmp_path))
     assert type(trainer.adapter).__name__ == family.adapter_class
     before = [p.detach().clone() for p in trainer.trainable_params]
     state = trainer.train()
@@ -244,7 +264,7 @@ def test_lora_round_trips_through_the_pipelines_loader(tmp_path, family):
     from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
 
     config = _config(FlowGRPOConfig, tmp_path, family, beta=0.0)
-    trainer = FlowGRPOTrainer(config, family.make_pipe(), [_brightness], train_dataset=_dataset(family, tmp_path))
+    trainer = FlowGRPOTrainer(config, _trainer_input(family), [_brightness], train_dataset=_dataset(family, tmp_path))
     trainer.train()
     out = trainer.save_model(str(tmp_path / "final"))
     fresh = family.make_pipe()
@@ -281,7 +301,7 @@ def test_resume_repeats_an_uninterrupted_run_and_evaluates_with_the_sources(tmp_
     def run(name, max_steps, resume=None, **kw):
         config = _config(FlowGRPOConfig, tmp_path, family, output_dir=str(tmp_path / name), max_steps=max_steps,
                          prompts_per_step=2, learning_rate=3e-3, **kw)  # (no EMA: evaluation samples the policy)
-        trainer = FlowGRPOTrainer(config, family.make_pipe(), [_brightness], train_dataset=dataset,
+        trainer = FlowGRPOTrainer(config, _trainer_input(family), [_brightness], train_dataset=dataset,
                                   eval_dataset=dataset.select([0, 1]) if family.sources else None)
         trainer.train(resume_from_checkpoint=resume)
         return trainer
@@ -321,7 +341,7 @@ def test_bad_size_is_refused_before_any_compute(tmp_path, family, overrides, mat
     calls = []
     config = _config(FlowGRPOConfig, tmp_path, family, **overrides)
     with pytest.raises(ValueError, match=match):
-        FlowGRPOTrainer(config, family.make_pipe(), [lambda im, p, **c: calls.append(1) or [0.0] * len(p)],
+        FlowGRPOTrainer(config, _trainer_input(family), [lambda im, p, **c: calls.append(1) or [0.0] * len(p)],
                         train_dataset=_dataset(family, tmp_path))
     assert calls == []
 
@@ -345,7 +365,7 @@ def test_recipe_settings_train_on_the_tiny_pipeline(tmp_path, family):
                 per_device_eval_batch_size=2)
     tiny.update({k: v for k, v in family.config.items() if k in ("num_frames", "max_sequence_length")})
     config = dataclasses.replace(config, **tiny)
-    trainer = FlowGRPOTrainer(config, family.make_pipe(), [_brightness], train_dataset=_dataset(family, tmp_path))
+    trainer = FlowGRPOTrainer(config, _trainer_input(family), [_brightness], train_dataset=_dataset(family, tmp_path))
     assert type(trainer.adapter).__name__ == family.adapter_class
     state = trainer.train()
     assert state.global_step == 1 and state.log_history[0]["ratio_first_max_dev"] == 0.0
@@ -355,15 +375,3 @@ def test_recipe_settings_train_on_the_tiny_pipeline(tmp_path, family):
         adapted = {n.rsplit(".lora_", 1)[0] for n, _ in params if ".lora_" in n}
         assert all(any(a.endswith(t) for a in adapted) for t in targets), (name, targets)
 
-
-def test_ltx2_is_refused_naming_why_and_what_to_do():
-    """LTX-2 (joint video and audio denoising) has no adapter: the refusal says why and names the alternatives; a
-    registered adapter would take precedence."""
-    from diffusers import DiffusionPipeline
-
-    ltx2 = type("LTX2Pipeline", (DiffusionPipeline,), {})
-    with pytest.raises(TypeError, match="LTX2Pipeline is not supported: LTX-2 denoises video and audio together.*"
-                                        "audio branch cannot be dropped.*WanPipeline, HunyuanVideo15Pipeline"):
-        get_adapter(ltx2())
-    with pytest.raises(TypeError, match="MyLTX2 is not supported"):
-        get_adapter(type("MyLTX2", (ltx2,), {})())  # a subclass too

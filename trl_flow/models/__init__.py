@@ -23,19 +23,9 @@ _ADAPTERS: dict[str, type | str] = {
     "WanImageToVideoPipeline": ".wan_i2v:WanImageToVideoAdapter",  # Wan2.1-I2V and Wan2.2-I2V-A14B
     "QwenImage21Pipeline": ".qwen_image21:QwenImage21Adapter",  # generation, and editing with a source
     "HunyuanVideo15Pipeline": ".hunyuan_video15:HunyuanVideo15Adapter",
+    "LTX2Pipeline": ".ltx2:LTX2Adapter",  # video and audio denoised together; the rewards get the video
 }
 _entry_points_loaded = False
-#: Pipelines of diffusers that no adapter trains yet, and why (get_adapter names the reason; a registered adapter
-#: for one of them takes precedence).
-NOT_SUPPORTED = {
-    "LTX2Pipeline": (
-        "LTX-2 denoises video and audio together (its transformer takes and predicts both latents, with audio-video "
-        "cross-attention), and pipe() guides in x0 space with extra spatio-temporal (STG) and modality-isolation "
-        "passes; trl_flow's adapters sample one latent tensor and have no such guidance, so no adapter reproduces "
-        "pipe() for it yet, and the audio branch cannot be dropped (the transformer needs it). Train a video-only "
-        "family (WanPipeline, HunyuanVideo15Pipeline), or register an adapter that samples both modalities (its "
-        f"state the video and audio latents flattened into one tensor): {GUIDE}"),
-}
 
 
 def register_adapter(pipeline_class, adapter_class, overwrite: bool = False) -> None:
@@ -118,9 +108,6 @@ def get_adapter(pipe, **options) -> FlowAdapter:
     for cls in type(pipe).__mro__:
         if cls.__name__ in _ADAPTERS:
             return _resolve(cls.__name__)(pipe, **options)
-    for cls in type(pipe).__mro__:
-        if cls.__name__ in NOT_SUPPORTED:
-            raise TypeError(f"pipe: {type(pipe).__name__} is not supported: {NOT_SUPPORTED[cls.__name__]}")
     raise TypeError(
         f"pipe: no trl_flow adapter for {type(pipe).__name__}; supported pipelines: {sorted(_ADAPTERS)}. To add "
         f"one: trl_flow.models.register_adapter({type(pipe).__name__}, YourAdapter), guide in {GUIDE}"
