@@ -82,3 +82,26 @@ def test_bad_options_are_refused():
     pipe.vae.register_to_config(timestep_conditioning=True)
     with pytest.raises(ValueError, match="timestep_conditioning=True"):
         LTX2Adapter(pipe, **OFF)
+
+
+def test_the_velocity_finds_its_sigma_in_any_schedule_built():
+    """The x0-space guidance needs the step's scheduler sigma: a rollout's velocity is the same after another
+    schedule (evaluation's step count, another size) was built in between; a size the adapter has no schedule for,
+    or two sizes with states of one length, are refused naming the fix."""
+    adapter = LTX2Adapter(tiny_ltx2_pipeline(), num_frames=5, **OFF)
+    with torch.no_grad():
+        embeds = adapter.encode_prompts(PROMPTS[:1], False, 16)
+    x = adapter.initial_noise(1, H, W, torch.Generator().manual_seed(0))
+    t = adapter.schedule(K, H, W).timesteps[1]
+    with torch.no_grad():
+        before = adapter.velocity(adapter.transformer, x, t, embeds, 1.0)
+        adapter.schedule(7, H, W)
+        adapter.schedule(K, 64, 64)
+        assert torch.equal(adapter.velocity(adapter.transformer, x, t, embeds, 1.0), before)
+        with pytest.raises(RuntimeError, match="come from no schedule: call schedule"):
+            adapter.velocity(adapter.transformer, x[:, :-1], t, embeds, 1.0)
+        adapter.schedule(K, W, H)  # 64 x 32: as many latents as 32 x 64
+        with pytest.raises(RuntimeError, match=r"fit several sizes \(height, width\) \[\(32, 64\), \(64, 32\)\]"):
+            adapter.velocity(adapter.transformer, x, t, embeds, 1.0)
+    assert adapter.prompt_token_limits(16) == {"tokenizer": 16}
+    assert adapter.prompt_token_counts([" a cat "], "tokenizer") == [len(adapter.pipe.tokenizer("a cat").input_ids)]

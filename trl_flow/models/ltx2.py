@@ -93,7 +93,8 @@ class LTX2Adapter(FlowAdapter):
         self.audio_modality_scale, self.audio_guidance_rescale = audio_modality_scale, audio_guidance_rescale
         self.stg_blocks = blocks
         self.use_cross_timestep = use_cross_timestep
-        self._schedule = None
+        self._sizes = {}  # state length -> the (height, width) of every schedule built with it
+        self._sigma_of = {}  # timestep -> its scheduler sigma, over every schedule built
 
     @property
     def pipeline_class(self):
@@ -133,9 +134,12 @@ class LTX2Adapter(FlowAdapter):
 
     def _size_of(self, x) -> tuple[dict, int, int]:
         """The (height, width) whose latents ``x`` holds, from the shape set by :meth:`schedule`."""
-        if self._schedule is None or self._schedule[1] != x.shape[-1]:
-            raise RuntimeError("LTX2Adapter: call schedule(K, height, width) for this size before velocity/decode")
-        height, width = self._schedule[2]
+        sizes = self._sizes.get(x.shape[-1], set())
+        if len(sizes) != 1:
+            raise RuntimeError(f"LTX2Adapter: states of length {x.shape[-1]} " + (
+                "come from no schedule: call schedule(K, height, width) for their size first" if not sizes else
+                f"fit several sizes (height, width) {sorted(sizes)}: use one of them per adapter"))
+        height, width = next(iter(sizes))
         return self._dims(height, width), height, width
 
     def split(self, x, height, width) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,6 +182,15 @@ class LTX2Adapter(FlowAdapter):
             out[name], out[f"negative_{name}"] = positive, negative
         return out
 
+    def prompt_token_limits(self, max_sequence_length) -> dict[str, int]:
+        """The pipeline's Gemma tokenizer cuts at ``max_sequence_length`` (its ``model_max_length`` is not the
+        limit)."""
+        return {"tokenizer": max_sequence_length}
+
+    def prompt_token_counts(self, prompts, name) -> list[int]:
+        """Tokens with the special ones, of the stripped prompt, as the pipeline tokenizes it."""
+        return [len(ids) for ids in self.pipe.tokenizer([p.strip() for p in prompts])["input_ids"]]
+
     # ------------------------------------------------------------------------------------------- sampling
     def schedule(self, num_inference_steps, height, width) -> Schedule:
         from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift, retrieve_timesteps
@@ -191,18 +204,16 @@ class LTX2Adapter(FlowAdapter):
         timesteps, _ = retrieve_timesteps(pipe.scheduler, num_inference_steps, self.device, None, sigmas=sigmas, mu=mu)
         schedule = Schedule(sigmas=pipe.scheduler.sigmas.to(self.device, torch.float32).clone(),
                             timesteps=timesteps.clone())
-        self._schedule = (schedule, d["video"] + d["audio"], (height, width))
+        self._sizes.setdefault(d["video"] + d["audio"], set()).add((height, width))
+        self._sigma_of.update(zip(schedule.timesteps.tolist(), schedule.sigmas[:-1].tolist()))
         return schedule
 
     def _sigma(self, t: torch.Tensor) -> torch.Tensor:
         """(B, 1, 1) the scheduler's sigma of each timestep (the pipeline's ``scheduler.sigmas[step]``); a timestep
         between the schedule's steps (StepwiseFlowGRPO) gets ``t / num_train_timesteps``."""
-        schedule = self._schedule[0]
-        hit = t[:, None] == schedule.timesteps.to(t.device)[None, :]
         scale = self.pipe.scheduler.config.num_train_timesteps
-        sigma = torch.where(hit.any(dim=1), schedule.sigmas.to(t.device)[hit.float().argmax(dim=1)],
-                            t.float() / scale)
-        return sigma[:, None, None]
+        sigmas = [self._sigma_of.get(v, v / scale) for v in t.tolist()]  # float32 values, exact as floats
+        return torch.tensor(sigmas, dtype=torch.float32, device=t.device)[:, None, None]
 
     def velocity(self, model, x, timestep, embeds, guidance_scale, detach_uncond=False) -> torch.Tensor:
         pipe = self.pipe
