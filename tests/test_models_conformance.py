@@ -117,7 +117,7 @@ FAMILIES = [
     # LTX-2: the state is the video and audio latents together; pipe()'s guidance defaults (audio CFG, STG on block
     # 1 of the tiny transformer, modality isolation, rescale); the pipeline takes sizes in multiples of 32
     Family("ltx-2", _ltx2, "LTX2Adapter", width=64, guidance=(1.0, 3.0), options=_LTX2, pipe_kwargs=_LTX2,
-           guides_at_one=True,
+           guides_at_one=True, resume=True,  # one flat state of two modalities
            train_options={k: v for k, v in _LTX2.items() if k not in ("num_frames", "negative_prompt")},
            output="frames", pack=lambda adapter, x: adapter.pipe_latents(x)[0], config={"num_frames": 5},
            bad_sizes=(({"height": 48}, "multiples of 32"), ({"num_frames": 4}, "num_frames=4: LTX-2 needs 2k \\+ 1")),
@@ -291,7 +291,7 @@ def test_lora_round_trips_through_the_pipelines_loader(tmp_path, family):
 def test_resume_repeats_an_uninterrupted_run_and_evaluates_with_the_sources(tmp_path, family):
     """3 iterations straight == 1, a checkpoint, then a fresh trainer and pipeline resumed for 2 more: every trained
     LoRA weight and the logged values bit for bit; evaluation (before the first iteration, every 2 and after the
-    last) conditions each eval prompt on its own source, as generate(columns=...) does."""
+    last) samples as generate() does, conditioning each eval prompt on its own source where the family takes one."""
     import numpy as np
 
     from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
@@ -302,7 +302,7 @@ def test_resume_repeats_an_uninterrupted_run_and_evaluates_with_the_sources(tmp_
         config = _config(FlowGRPOConfig, tmp_path, family, output_dir=str(tmp_path / name), max_steps=max_steps,
                          prompts_per_step=2, learning_rate=3e-3, **kw)  # (no EMA: evaluation samples the policy)
         trainer = FlowGRPOTrainer(config, _trainer_input(family), [_brightness], train_dataset=dataset,
-                                  eval_dataset=dataset.select([0, 1]) if family.sources else None)
+                                  eval_dataset=dataset.select([0, 1]) if family.sources else dataset[:2])
         trainer.train(resume_from_checkpoint=resume)
         return trainer
 
@@ -320,15 +320,18 @@ def test_resume_repeats_an_uninterrupted_run_and_evaluates_with_the_sources(tmp_
     keys = ("loss", "reward", "ratio_max")
     train_logs = [[e[k] for k in keys] for e in straight.state.log_history if "loss" in e]
     assert [[e[k] for k in keys] for e in resumed.state.log_history[1:] if "loss" in e] == train_logs[1:]
-    if family.sources:
-        rows = dataset.select([0, 1])[:]
-        images, _ = straight.generate(rows["prompt"], seed=straight.config.seed + 10_007,
-                                      columns={"source_image": rows["source_image"]})
+    assert np.isfinite([e["eval/reward"] for e in straight.state.log_history if "eval/reward" in e]).all()
+    if not family.sources:
+        images, _ = straight.generate(dataset[:2], seed=straight.config.seed + 10_007)
         assert torch.equal(images, straight.last_eval_images)
-        assert np.isfinite([e["eval/reward"] for e in straight.state.log_history if "eval/reward" in e]).all()
-        swapped, _ = straight.generate(rows["prompt"], seed=straight.config.seed + 10_007,
-                                       columns={"source_image": rows["source_image"][::-1]})
-        assert not torch.allclose(images, swapped)
+        return
+    rows = dataset.select([0, 1])[:]
+    images, _ = straight.generate(rows["prompt"], seed=straight.config.seed + 10_007,
+                                  columns={"source_image": rows["source_image"]})
+    assert torch.equal(images, straight.last_eval_images)
+    swapped, _ = straight.generate(rows["prompt"], seed=straight.config.seed + 10_007,
+                                   columns={"source_image": rows["source_image"][::-1]})
+    assert not torch.allclose(images, swapped)
 
 
 # ------------------------------------------------------------------------------------------------ bad input
