@@ -34,7 +34,7 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "test": ["pytest>=8", "matplotlib", "tensorboard", "wandb", "fastapi>=0.110", "uvicorn>=0.29"],
+        "test": ["pytest>=8", "ftfy", "matplotlib", "tensorboard", "wandb", "fastapi>=0.110", "uvicorn>=0.29"],
         # rewards (docs/rewards.md): pickscore, clip_score, aesthetic and ocr need nothing beyond transformers.
         # hpsv2 and image-reward pin incompatible timm versions: install one, or serve the other (`serve`).
         "serve": ["fastapi>=0.110", "uvicorn>=0.29"],
@@ -43,6 +43,8 @@ setup(
         "wandb": ["wandb"],
         "quant": ["bitsandbytes"],
         "bench": ["matplotlib"],
+        # WanImageToVideoPipeline (diffusers <= 0.42) cleans prompts with ftfy without checking it is installed
+        "video": ["ftfy"],
         # No "flux2" extra: FLUX.2-dev's tokenizer (transformers' PixtralProcessor) needs torchvision, but an
         # unpinned torchvision requirement makes pip take the newest torchvision and upgrade torch to the newest,
         # CUDA, build (torchvision X pins torch exactly). Install the release matching your torch instead, e.g. for

@@ -155,6 +155,9 @@ def check_dataset_for(adapter, dataset, name: str) -> None:
     if dataset is None:
         return
     column = getattr(adapter, "source_column", SOURCE_COLUMN)
+    choose = getattr(adapter, "choose_conditioning", None)
+    if choose is not None:  # a family that both generates and edits (Qwen-Image 2.1): the dataset decides
+        choose(column in dataset.column_names, name)
     if adapter.conditioning == "text_and_image":
         adapter.check_source_sizes(check_sources(dataset, column, name), f"{name}, column `{column}`")
     elif SOURCE_COLUMN in dataset.column_names:

@@ -20,6 +20,10 @@ _ADAPTERS: dict[str, type | str] = {
     "FluxKontextPipeline": ".flux_kontext:FluxKontextAdapter",
     "QwenImageEditPipeline": ".qwen_image_edit:QwenImageEditAdapter",
     "QwenImageEditPlusPipeline": ".qwen_image_edit:QwenImageEditPlusAdapter",
+    "WanImageToVideoPipeline": ".wan_i2v:WanImageToVideoAdapter",  # Wan2.1-I2V and Wan2.2-I2V-A14B
+    "QwenImage21Pipeline": ".qwen_image21:QwenImage21Adapter",  # generation, and editing with a source
+    "HunyuanVideo15Pipeline": ".hunyuan_video15:HunyuanVideo15Adapter",
+    "LTX2Pipeline": ".ltx2:LTX2Adapter",  # video and audio denoised together; the rewards get the video
 }
 _entry_points_loaded = False
 

@@ -26,9 +26,9 @@ def _check_guidance_scale_2(value, two_experts: bool):
     return float(value)
 
 
-def _check_num_frames(num_frames, temporal: int, name: str = "num_frames") -> int:
+def _check_num_frames(num_frames, temporal: int, name: str = "num_frames", family: str = "Wan") -> int:
     if not isinstance(num_frames, int) or num_frames < 1 or (num_frames - 1) % temporal:
-        raise ValueError(f"{name}={num_frames!r}: Wan needs {temporal}k + 1 frames (the VAE compresses time by "
+        raise ValueError(f"{name}={num_frames!r}: {family} needs {temporal}k + 1 frames (the VAE compresses time by "
                          f"{temporal}), e.g. 33 or 81")
     return num_frames
 
@@ -265,17 +265,27 @@ class WanAdapter(FlowAdapter):
 
     def _expert_velocity(self, model, x, t, embeds, guidance_scale, cfg, detach_uncond) -> torch.Tensor:
         dtype = self.transformer.dtype
-        latents = x.to(dtype)
+        latents = self._model_input(x, embeds).to(dtype)
         t = self._model_timestep(t, x)
+        extra = self._model_kwargs(embeds, dtype)
         v = model(hidden_states=latents, timestep=t, encoder_hidden_states=embeds["prompt_embeds"].to(dtype),
-                  return_dict=False)[0]
+                  return_dict=False, **extra)[0]
         if cfg:
             v_uncond = model(hidden_states=latents, timestep=t,
-                             encoder_hidden_states=embeds["negative_prompt_embeds"].to(dtype), return_dict=False)[0]
+                             encoder_hidden_states=embeds["negative_prompt_embeds"].to(dtype), return_dict=False,
+                             **extra)[0]
             if detach_uncond:
                 v_uncond = v_uncond.detach()
             v = v_uncond + guidance_scale * (v - v_uncond)
         return v.float()
+
+    def _model_input(self, x: torch.Tensor, embeds: PromptEmbeds) -> torch.Tensor:
+        """The transformer's ``hidden_states`` for states ``x`` (float32; image-to-video appends its condition)."""
+        return x
+
+    def _model_kwargs(self, embeds: PromptEmbeds, dtype: torch.dtype) -> dict:
+        """Further transformer keyword arguments from ``embeds`` (image-to-video: the CLIP image embedding)."""
+        return {}
 
     def _model_timestep(self, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """(B,) timesteps, or with ``expand_timesteps`` (B, F' * ceil(h / 2) * ceil(w / 2)): one per latent token,

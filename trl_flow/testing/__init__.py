@@ -231,6 +231,10 @@ _FAMILY_BUILDERS = {
     "tiny_zimage_pipeline": "zimage",
     "tiny_flux_kontext_pipeline": "flux_kontext",
     "tiny_qwen_image_edit_pipeline": "qwen_image_edit",
+    "tiny_wan_i2v_pipeline": "wan_i2v",
+    "tiny_qwen_image21_pipeline": "qwen_image21",
+    "tiny_hunyuan_video15_pipeline": "hunyuan_video15",
+    "tiny_ltx2_pipeline": "ltx2",
 }
 
 

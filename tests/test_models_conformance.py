@@ -1,0 +1,380 @@
+"""The adapter contract (docs/adding_a_model.md, steps 4 to 6), one parametrisation over the families added since
+diffusers 0.41: the ``ode`` rollout is ``pipe(..., output_type="latent")`` bit for bit (guidance on and off) and its
+decode the pipeline's pixels; every exported trainer trains one iteration; the saved LoRA loads through the
+pipeline's own ``load_lora_weights`` and samples exactly as the trained pipeline; a bad size is refused before any
+compute. A family is one :class:`Family` row of ``FAMILIES``; what is particular to a family is in its own file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import pytest
+import torch
+from conftest import EDIT_PROMPTS, MAX_SEQ, PROMPTS
+from conftest import source_image as source
+from test_models_families import exported_trainers
+
+from trl_flow.models import get_adapter
+from trl_flow.rollout import sample_trajectories
+
+
+@dataclass
+class Family:
+    """How to build, call and train one family on its tiny pipeline."""
+
+    name: str
+    make_pipe: Callable  # () -> a tiny pipeline
+    adapter_class: str  # the adapter get_adapter must pick
+    height: int = 32
+    width: int = 48  # non-square: a swapped height / width shows
+    guidance: tuple[float, float] = (1.0, 4.5)  # guidance off, on
+    options: dict = field(default_factory=dict)  # adapter options
+    train_options: dict | None = None  # the trainers get get_adapter(pipe, **train_options); None: the pipeline
+    pipe_kwargs: dict = field(default_factory=dict)  # what pipe() needs besides prompt, size, steps, guidance
+    guidance_arg: str | None = "guidance_scale"  # pipe()'s name for guidance_scale; None: set_guidance sets it
+    set_guidance: Callable | None = None  # (pipe, guidance_scale) -> None, where the pipeline holds its guidance
+    takes_max_sequence_length: bool = True  # pipe() has a max_sequence_length argument
+    batches_of_one: bool = False  # compare with one pipe() call per prompt (as always where sources condition)
+    guides_at_one: bool = False  # the negative prompt is encoded at guidance_scale 1 too (LTX-2's audio CFG)
+    config: dict = field(default_factory=dict)  # trainer config fields of the family
+    sources: bool = False  # conditioned on the dataset's source_image column
+    output: str = "frames"  # pipe()'s output attribute
+    pack: Callable | None = None  # adapter, states -> what pipe(output_type="latent") returns
+    pixels: Callable | None = None  # pipe(output_type="pt")'s output -> what decode returns (Qwen-Image 2.1: RGB)
+    bad_sizes: tuple = ()  # (config overrides, message) refused before any compute
+    recipe: tuple[str, str] | None = None  # (GPU recipe in trl_flow/recipes, its Hub id), trained at a tiny size
+    resume: bool = False  # run the resume / evaluation test (where the family stores or chooses more than the default)
+
+
+def _qwen21():
+    from trl_flow.testing import tiny_qwen_image21_pipeline
+
+    return tiny_qwen_image21_pipeline()
+
+
+def _hunyuan15():
+    from trl_flow.testing import tiny_hunyuan_video15_pipeline
+
+    return tiny_hunyuan_video15_pipeline()
+
+
+def _set_guider(pipe, guidance_scale):
+    pipe.guider = pipe.guider.new(guidance_scale=guidance_scale)
+
+
+def _ltx2():
+    from trl_flow.testing import tiny_ltx2_pipeline
+
+    return tiny_ltx2_pipeline()
+
+
+def _trainer_input(family):
+    pipe = family.make_pipe()
+    return pipe if family.train_options is None else get_adapter(pipe, **family.train_options)
+
+
+def _wan_i2v(form):
+    from trl_flow.testing import tiny_wan_i2v_pipeline
+
+    return lambda: tiny_wan_i2v_pipeline(form)
+
+
+_WAN_CALL = {"num_frames": 9, "negative_prompt": "ugly"}  # adapter options and pipe() arguments alike
+_LTX2 = {"num_frames": 5, "frame_rate": 25.0, "negative_prompt": "ugly", "spatio_temporal_guidance_blocks": [1]}
+
+FAMILIES = [
+    Family("wan21-i2v", _wan_i2v("2.1"), "WanImageToVideoAdapter", options=_WAN_CALL, pipe_kwargs=_WAN_CALL,
+           config={"num_frames": 5}, sources=True,
+           bad_sizes=(({"height": 40}, "multiples of 16"), ({"num_frames": 8}, "num_frames=8: Wan needs 4k \\+ 1"))),
+    Family("wan22-i2v-a14b", _wan_i2v("2.2"), "WanImageToVideoAdapter", options=_WAN_CALL, pipe_kwargs=_WAN_CALL,
+           config={"num_frames": 5}, sources=True, resume=True,  # two experts' LoRA files and the condition
+           bad_sizes=(({"width": 24}, "multiples of 16"), ({"num_frames": 6}, "num_frames=6: Wan needs 4k \\+ 1")),
+           recipe=("wan22_i2v_a14b_flow_grpo", "Wan-AI/Wan2.2-I2V-A14B-Diffusers")),
+    # Qwen-Image 2.1: 64 px wide (multiples of 32); parity without the pipeline's KV cache (test_models_qwen_image21)
+    Family("qwen-image-2.1", _qwen21, "QwenImage21Adapter", width=64, guidance=(1.0, 4.0),
+           guidance_arg="true_cfg_scale", takes_max_sequence_length=False,
+           options={"negative_prompt": "ugly"}, pipe_kwargs={"negative_prompt": "ugly", "use_kv_cache": False},
+           output="images", pack=lambda adapter, x: adapter.pack(x), pixels=lambda d: d[:, :3],
+           config={"max_sequence_length": 64}, bad_sizes=(({"height": 48}, "multiples of 32"),)),
+    Family("qwen-image-2.1-edit", _qwen21, "QwenImage21Adapter", width=64, guidance=(1.0, 4.0),
+           guidance_arg="true_cfg_scale", takes_max_sequence_length=False,
+           options={"negative_prompt": "ugly", "conditions_on_source": True, "output_resolution": 32},
+           pipe_kwargs={"negative_prompt": "ugly", "use_kv_cache": False, "output_resolution": 32},
+           output="images", pack=lambda adapter, x: adapter.pack(x), pixels=lambda d: d[:, :3], sources=True,
+           resume=True,  # a fresh trainer must choose editing again from the dataset
+           config={"max_sequence_length": 64, "source_image_size": "output"},  # the trainer: 32 x 32 = 32 ** 2
+           bad_sizes=(({"width": 40}, "multiples of 32"),),
+           recipe=("qwen_image21_flow_grpo", "Qwen/Qwen-Image-2.1")),
+    # HunyuanVideo-1.5: the guidance is the pipeline's guider; its VAE decodes one video at a time
+    Family("hunyuan-video-1.5", _hunyuan15, "HunyuanVideo15Adapter", options={"num_frames": 5, "negative_prompt": "x"},
+           pipe_kwargs={"num_frames": 5, "negative_prompt": "x"}, guidance_arg=None, set_guidance=_set_guider,
+           takes_max_sequence_length=False, batches_of_one=True, config={"num_frames": 5},
+           bad_sizes=(({"height": 40}, "multiples of 16"),
+                      ({"num_frames": 6}, "num_frames=6: HunyuanVideo-1.5 needs 4k \\+ 1")),
+           recipe=("hunyuan_video15_t2v_flow_grpo", "hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v")),
+    # LTX-2: the state is the video and audio latents together; pipe()'s guidance defaults (audio CFG, STG on block
+    # 1 of the tiny transformer, modality isolation, rescale); the pipeline takes sizes in multiples of 32
+    Family("ltx-2", _ltx2, "LTX2Adapter", width=64, guidance=(1.0, 3.0), options=_LTX2, pipe_kwargs=_LTX2,
+           guides_at_one=True, resume=True,  # one flat state of two modalities
+           train_options={k: v for k, v in _LTX2.items() if k not in ("num_frames", "negative_prompt")},
+           output="frames", pack=lambda adapter, x: adapter.pipe_latents(x)[0], config={"num_frames": 5},
+           bad_sizes=(({"height": 48}, "multiples of 32"), ({"num_frames": 4}, "num_frames=4: LTX-2 needs 2k \\+ 1")),
+           recipe=("ltx2_t2v_flow_grpo", "Lightricks/LTX-2")),
+]
+IDS = [f.name for f in FAMILIES]
+
+
+@pytest.fixture(autouse=True)
+def _quiet_scheduler_swap(monkeypatch):
+    """The Wan scheduler swap warns once per process (tested in test_models_families.py)."""
+    import trl_flow.models.wan as wan
+
+    monkeypatch.setattr(wan, "_SCHEDULER_SWAP_WARNED", True)
+
+
+def _prompts(family):
+    return EDIT_PROMPTS if family.sources else PROMPTS
+
+
+def _call(family, prompts, src, K, guidance_scale, height, width):
+    """pipe()'s keyword arguments for these prompts (one source for all of them where the family takes one)."""
+    call = dict(prompt=list(prompts), height=height, width=width, num_inference_steps=K)
+    if family.guidance_arg is not None:
+        call[family.guidance_arg] = guidance_scale
+    if family.takes_max_sequence_length:
+        call["max_sequence_length"] = MAX_SEQ
+    for k, v in family.pipe_kwargs.items():
+        call[k] = [v] * len(prompts) if k == "negative_prompt" else v  # (LTX-2 guides its audio even at 1)
+    if family.sources:
+        call["image"] = src
+    return call
+
+
+def _adapter(family, pipe, height, width):
+    options = dict(family.options)
+    if family.sources:
+        options["output_size"] = (height, width)
+    return get_adapter(pipe, **options)
+
+
+# ------------------------------------------------------------------------------------------- pipeline parity
+@pytest.mark.parametrize("guided", [False, True], ids=["plain", "guided"])
+@pytest.mark.parametrize("family", FAMILIES, ids=IDS)
+def test_ode_rollout_reproduces_pipeline_exactly(family, guided):
+    """From the same noise, the `ode` kernel over the adapter's schedule ends exactly where pipe() ends, and decode
+    is exactly the pipeline's output_type="pt" output; a source of another size and aspect ratio than the output
+    (40 x 24 px) where the family takes one."""
+    pipe = family.make_pipe()
+    H, W, K = family.height, family.width, 4
+    adapter = _adapter(family, pipe, H, W)
+    assert type(adapter).__name__ == family.adapter_class
+    g = family.guidance[guided]
+    max_seq = family.config.get("max_sequence_length", MAX_SEQ)
+    prompts = _prompts(family)[:2]
+    # an image-conditioned sample is encoded alone (its conditioning must not depend on its batch): one pipe() call
+    # per prompt; a text family's batch is encoded as pipe() encodes it
+    batches = [[p] for p in prompts] if family.sources or family.batches_of_one else [prompts]
+    if family.set_guidance:
+        family.set_guidance(pipe, g)
+    src = source(0, (40, 24)) if family.sources else None
+    schedule = adapter.schedule(K, H, W)
+    assert schedule.num_steps == K and float(schedule.sigmas[0]) == 1.0 and float(schedule.sigmas[-1]) == 0.0
+    for seed, batch in enumerate(batches):
+        call = _call(family, batch, src, K, g, H, W)
+        expected = getattr(pipe(generator=torch.Generator().manual_seed(seed), output_type="latent", **call),
+                           family.output)
+        decoded = getattr(pipe(generator=torch.Generator().manual_seed(seed), output_type="pt", **call),
+                          family.output)
+        noise = adapter.initial_noise(len(batch), H, W, torch.Generator().manual_seed(seed))
+        with torch.no_grad():  # as the trainer encodes
+            images = {"images": [src] * len(batch)} if family.sources else {}
+            embeds = adapter.encode_prompts(batch, g > 1, max_seq, **images)
+        assert any(k.startswith("negative_") for k in embeds) == (g > 1 or family.guides_at_one)
+        traj = sample_trajectories(adapter, adapter.trainable_module(), embeds, noise, schedule, ["ode"] * K, 0.0, g,
+                                   batch_size=len(batch))
+        final = traj["states"][:, -1]
+        assert final.shape == (len(batch), *adapter.latent_shape(H, W))
+        assert torch.equal(family.pack(adapter, final) if family.pack else final, expected)
+        with torch.no_grad():
+            ours = adapter.decode(final)
+        decoded = family.pixels(decoded) if family.pixels else decoded
+        assert ours.shape == (len(batch), *adapter.output_shape(H, W)) and torch.equal(ours, decoded)
+
+
+# ---------------------------------------------------------------------------------------- every trainer
+def _dataset(family, tmp_path):
+    if not family.sources:
+        return list(PROMPTS)
+    from datasets import Dataset
+
+    paths = []
+    for i in range(len(EDIT_PROMPTS)):
+        paths.append(str(tmp_path / f"src{i}.png"))
+        source(i, (24 + 8 * i, 32)).save(paths[-1])  # sizes the adapter resizes from
+    return Dataset.from_dict({"prompt": EDIT_PROMPTS, "source_image": paths})
+
+
+def _config(config_class, tmp_path, family, **overrides):
+    kwargs = dict(
+        output_dir=str(tmp_path / "out"), max_steps=1, num_generations=2, prompts_per_step=2,
+        per_device_train_batch_size=4, height=32, width=32, max_sequence_length=MAX_SEQ, num_inference_steps=3,
+        eval_num_inference_steps=3, per_device_eval_batch_size=4, guidance_scale=family.guidance[1], lora_r=4,
+        lora_alpha=8, learning_rate=1e-2, clip_range=5e-2, beta=0.01, disable_tqdm=True,
+    )
+    kwargs.update(family.config)
+    kwargs.update(overrides)
+    return config_class(**kwargs)
+
+
+def _brightness(images, prompts, **columns):
+    return images.mean(dim=tuple(range(1, images.ndim)))
+
+
+@pytest.mark.parametrize("trainer_class", exported_trainers(), ids=lambda c: c.__name__)
+@pytest.mark.parametrize("family", FAMILIES, ids=IDS)
+def test_every_trainer_trains_one_iteration(tmp_path, family, trainer_class):
+    """One iteration with guidance: the first ratio is exactly 1 (rollout and update compute the same velocity), the
+    loss is finite, the LoRA moves; the rewards get the family's output shape (and the sources where it takes
+    them)."""
+    seen = []
+
+    def reward(images, prompts, **columns):
+        seen.append((tuple(images.shape[1:]), "source_image" in columns))
+        return _brightness(images, prompts)
+
+    config = _config(trainer_class.config_class, tmp_path, family)
+    trainer = trainer_class(config, _trainer_input(family), [reward], train_dataset=_dataset(family, tmp_path))
+    assert type(trainer.adapter).__name__ == family.adapter_class
+    before = [p.detach().clone() for p in trainer.trainable_params]
+    state = trainer.train()
+    assert set(seen) == {(trainer.adapter.output_shape(32, 32), family.sources)}
+    (entry,) = state.log_history
+    if trainer_class.config_class.trains_on_log_probs:  # DiffusionNFT has no ratio
+        assert entry["ratio_first_max_dev"] == 0.0
+    assert torch.isfinite(torch.tensor(entry["loss"])) and entry["nonfinite_skipped"] == 0
+    assert any(not torch.equal(b, p) for b, p in zip(before, trainer.trainable_params))
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=IDS)
+def test_lora_round_trips_through_the_pipelines_loader(tmp_path, family):
+    """save_model -> a fresh pipeline's load_lora_weights (the model card's snippet) -> exactly the trained
+    pipeline's samples, which differ from the base pipeline's."""
+    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
+
+    config = _config(FlowGRPOConfig, tmp_path, family, beta=0.0)
+    trainer = FlowGRPOTrainer(config, _trainer_input(family), [_brightness], train_dataset=_dataset(family, tmp_path))
+    trainer.train()
+    out = trainer.save_model(str(tmp_path / "final"))
+    fresh = family.make_pipe()
+    _adapter(family, fresh, 32, 32)  # the same scheduler swap (Wan) the trained pipeline got
+    call = _call(family, _prompts(family)[:1], source(1), 3, family.guidance[1], 32, 32)
+    call.update({k: v for k, v in family.config.items() if k == "num_frames"})
+
+    def run(pipe):
+        with torch.no_grad():
+            return getattr(pipe(generator=torch.Generator().manual_seed(0), output_type="latent", **call),
+                           family.output)
+
+    if family.set_guidance:
+        family.set_guidance(fresh, family.guidance[1])
+        family.set_guidance(trainer.pipe, family.guidance[1])
+    base = run(fresh)
+    exec(trainer.adapter.lora_load_code(out), {"pipe": fresh})  # the model card's snippet: the pipeline's loader
+    loaded, trained = run(fresh), run(trainer.pipe)
+    assert torch.equal(loaded, trained)
+    assert (loaded - base).abs().max() > 1e-4  # the LoRA is not a no-op
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f.resume], ids=[f.name for f in FAMILIES if f.resume])
+def test_resume_repeats_an_uninterrupted_run_and_evaluates_with_the_sources(tmp_path, family):
+    """3 iterations straight == 1, a checkpoint, then a fresh trainer and pipeline resumed for 2 more: every trained
+    LoRA weight and the logged values bit for bit; evaluation (before the first iteration, every 2 and after the
+    last) samples as generate() does, conditioning each eval prompt on its own source where the family takes one."""
+    import numpy as np
+
+    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
+
+    dataset = _dataset(family, tmp_path)
+
+    def run(name, max_steps, resume=None, **kw):
+        config = _config(FlowGRPOConfig, tmp_path, family, output_dir=str(tmp_path / name), max_steps=max_steps,
+                         prompts_per_step=2, learning_rate=3e-3, **kw)  # (no EMA: evaluation samples the policy)
+        trainer = FlowGRPOTrainer(config, _trainer_input(family), [_brightness], train_dataset=dataset,
+                                  eval_dataset=dataset.select([0, 1]) if family.sources else dataset[:2])
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    def lora(trainer):
+        return {n: p.detach().clone() for n, p in trainer.adapter.trainable_module().named_parameters()
+                if "lora_" in n}
+
+    straight = run("a", 3, eval_steps=2, per_device_eval_batch_size=2)
+    run("b", 1, save_steps=1)
+    torch.manual_seed(1234)
+    resumed = run("b", 3, resume=str(tmp_path / "b" / "checkpoint-1"), save_steps=1)
+    assert resumed.state.global_step == 3
+    wa, wb = lora(straight), lora(resumed)
+    assert wa.keys() == wb.keys() and wa and all(torch.equal(wa[k], wb[k]) for k in wa)
+    keys = ("loss", "reward", "ratio_max")
+    train_logs = [[e[k] for k in keys] for e in straight.state.log_history if "loss" in e]
+    assert [[e[k] for k in keys] for e in resumed.state.log_history[1:] if "loss" in e] == train_logs[1:]
+    assert np.isfinite([e["eval/reward"] for e in straight.state.log_history if "eval/reward" in e]).all()
+    if not family.sources:
+        images, _ = straight.generate(dataset[:2], seed=straight.config.seed + 10_007)
+        assert torch.equal(images, straight.last_eval_images)
+        return
+    rows = dataset.select([0, 1])[:]
+    images, _ = straight.generate(rows["prompt"], seed=straight.config.seed + 10_007,
+                                  columns={"source_image": rows["source_image"]})
+    assert torch.equal(images, straight.last_eval_images)
+    swapped, _ = straight.generate(rows["prompt"], seed=straight.config.seed + 10_007,
+                                   columns={"source_image": rows["source_image"][::-1]})
+    assert not torch.allclose(images, swapped)
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+@pytest.mark.parametrize("family,overrides,match",
+                         [(f, o, m) for f in FAMILIES for o, m in f.bad_sizes],
+                         ids=[f"{f.name}-{'-'.join(o)}" for f in FAMILIES for o, _ in f.bad_sizes])
+def test_bad_size_is_refused_before_any_compute(tmp_path, family, overrides, match):
+    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
+
+    calls = []
+    config = _config(FlowGRPOConfig, tmp_path, family, **overrides)
+    with pytest.raises(ValueError, match=match):
+        FlowGRPOTrainer(config, _trainer_input(family), [lambda im, p, **c: calls.append(1) or [0.0] * len(p)],
+                        train_dataset=_dataset(family, tmp_path))
+    assert calls == []
+
+
+# ---------------------------------------------------------------------------------------------------- recipes
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f.recipe], ids=[f.name for f in FAMILIES if f.recipe])
+def test_recipe_settings_train_on_the_tiny_pipeline(tmp_path, family):
+    """The recipe names the real Hub id of the family's pipeline class, and its settings (LoRA targets, guidance,
+    SDE window, experts) train one iteration on the tiny pipeline at a tiny size and batch; every trained component
+    gets every LoRA target."""
+    import dataclasses
+
+    from trl_flow import FlowGRPOTrainer, cli
+
+    name, hub_id = family.recipe
+    script, config, _ = cli.parse_args("grpo", ["--config", name])
+    assert script.model_name_or_path == hub_id
+    tiny = dict(output_dir=str(tmp_path / "out"), height=32, width=32, max_sequence_length=MAX_SEQ, num_generations=2,
+                prompts_per_step=2, per_device_train_batch_size=2, gradient_accumulation_steps=1, max_steps=1,
+                bf16=False, gradient_checkpointing=False, disable_tqdm=True, eval_num_inference_steps=4,
+                per_device_eval_batch_size=2)
+    tiny.update({k: v for k, v in family.config.items() if k in ("num_frames", "max_sequence_length")})
+    config = dataclasses.replace(config, **tiny)
+    trainer = FlowGRPOTrainer(config, _trainer_input(family), [_brightness], train_dataset=_dataset(family, tmp_path))
+    assert type(trainer.adapter).__name__ == family.adapter_class
+    state = trainer.train()
+    assert state.global_step == 1 and state.log_history[0]["ratio_first_max_dev"] == 0.0
+    targets = config.lora_target_modules or list(trainer.adapter.default_lora_target_modules)
+    for name in trainer.adapter.trained_components():
+        params = getattr(trainer.pipe, name).named_parameters()
+        adapted = {n.rsplit(".lora_", 1)[0] for n, _ in params if ".lora_" in n}
+        assert all(any(a.endswith(t) for a in adapted) for t in targets), (name, targets)
+
