@@ -305,3 +305,29 @@ def test_model_init_kwargs_checks(tmp_path, fresh_pipe):
     with pytest.warns(UserWarning, match="model_init_kwargs=.*got a StableDiffusion3Pipeline.*ignored"):
         FlowGRPOTrainer(tiny_config(tmp_path, model_init_kwargs={"dtype": "float32"}), fresh_pipe(), [brightness],
                         train_dataset=list(PROMPTS))
+
+
+# ------------------------------------------------------------------------------------------------ the docs
+def _docs_callback(name: str):
+    """The class ``name`` defined in a python block of docs/callbacks.md."""
+    import re
+
+    text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "callbacks.md"), encoding="utf-8").read()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if f"class {name}(" in b)
+    namespace = {}
+    exec(compile(block, "docs/callbacks.md", "exec"), namespace)
+    return namespace[name]
+
+
+def test_the_early_stopping_callback_of_the_docs_stops_and_resumes(tmp_path, fresh_pipe):
+    stopping = _docs_callback("RewardEarlyStopping")
+    never_better = stopping(patience=2, min_delta=1e9)  # no log beats the first: stop at the third
+    trainer = _trainer(tmp_path, fresh_pipe, [never_better], max_steps=5, save_steps=1)
+    trainer.train()
+    assert trainer.state.global_step == 3 and never_better.bad_logs == 2
+    assert os.path.isfile(tmp_path / "out" / "pytorch_lora_weights.safetensors")
+    assert never_better.best == trainer.state.log_history[0]["reward"]
+    patient = stopping(patience=10, min_delta=1e9)
+    _trainer(tmp_path, fresh_pipe, [patient], max_steps=5, save_steps=1).train(
+        resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    assert patient.bad_logs == 4 and patient.best == never_better.best  # 1 restored + 3 iterations
