@@ -331,3 +331,25 @@ def test_the_early_stopping_callback_of_the_docs_stops_and_resumes(tmp_path, fre
     _trainer(tmp_path, fresh_pipe, [patient], max_steps=5, save_steps=1).train(
         resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
     assert patient.bad_logs == 4 and patient.best == never_better.best  # 1 restored + 3 iterations
+
+
+# ----------------------------------------------------------------------------------------- two processes
+def test_with_two_processes_the_main_process_flags_decide(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", ACCELERATE_USE_CPU="1")
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), here, env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+           os.path.join(here, "callbacks_worker.py"), str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)  # a deadlock fails here
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert seen[0] == seen[1] == {"global_step": 1, "events": [["on_train_end", 1]], "log_steps": [1]}
+    assert not [n for n in os.listdir(tmp_path / "run") if n.startswith("checkpoint-")]
+    assert os.path.isfile(tmp_path / "run" / "pytorch_lora_weights.safetensors")
