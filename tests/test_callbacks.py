@@ -197,6 +197,22 @@ def test_a_callback_cannot_run_past_max_steps(tmp_path, fresh_pipe):
     assert os.path.isfile(tmp_path / "out" / "pytorch_lora_weights.safetensors")
 
 
+@pytest.mark.parametrize("event", ["on_step_end", "on_log", "on_save"])
+def test_a_stop_set_in_any_event_of_the_iteration_ends_it(event, tmp_path, fresh_pipe):
+    def stop(self, args, state, control, **kwargs):
+        if state.global_step == 2:
+            control.should_training_stop = True
+        return TrainerControl(**control.state()["args"])  # a new object, as a callback may return
+
+    trainer = _trainer(tmp_path, fresh_pipe, [type("Stop", (TrainerCallback,), {event: stop})()], max_steps=4,
+                       save_steps=1)
+    trainer.train()
+    out = tmp_path / "out"
+    assert trainer.state.global_step == 2 and [e["step"] for e in trainer.state.log_history] == [1, 2]
+    assert sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) == ["checkpoint-1", "checkpoint-2"]
+    assert _same(_saved_lora(out), _saved_lora(out / "checkpoint-2"))
+
+
 class Counter(TrainerCallback, ExportableState):
     """A stateful callback: its count is saved with each checkpoint and restored on resume."""
 

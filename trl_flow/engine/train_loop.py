@@ -100,17 +100,18 @@ def _iterate(trainer) -> None:
 
 
 def _after_iteration(trainer, metrics: dict, n: int) -> bool:
-    """Honour the flags ``on_step_end`` set (log, checkpoint, final model, evaluation), and those ``on_log`` /
-    ``on_evaluate`` set on the way. Returns whether the run ends here (the final model is then saved)."""
+    """Honour the flags ``on_step_end`` set (log, checkpoint, final model, evaluation), and those the callbacks set
+    on the way (``on_log``, ``on_save``, ``on_evaluate``). Returns whether the run ends here (the final model is
+    then saved)."""
+    last = n >= trainer.config.max_steps  # the run ends at max_steps whatever a callback set
     control = callbacks.agree(trainer)
-    if n >= trainer.config.max_steps:  # the run ends at max_steps whatever a callback set
-        control.should_training_stop = True
-    if control.should_log or control.should_training_stop:  # the last iteration of a run is always logged
+    if control.should_log or control.should_training_stop or last:  # the last iteration of a run is always logged
         callbacks.log(trainer, metrics, n)
         control = callbacks.agree(trainer)
     if control.should_save:
         callbacks.save_checkpoint(trainer)
-    final = control.should_training_stop
+        control = callbacks.agree(trainer)
+    final = control.should_training_stop or last
     if final:
         save_final(trainer)
     if control.should_evaluate:
@@ -118,11 +119,11 @@ def _after_iteration(trainer, metrics: dict, n: int) -> bool:
         control = callbacks.agree(trainer)
         if control.should_save:  # asked for by on_log / on_evaluate of the evaluation
             callbacks.save_checkpoint(trainer)
+            control = callbacks.agree(trainer)
         if control.should_training_stop and not final:
             save_final(trainer)
             final = True
     return final
-
 
 
 def _evaluated(trainer, n: int) -> bool:
