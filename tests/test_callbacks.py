@@ -323,6 +323,18 @@ def test_model_init_kwargs_checks(tmp_path, fresh_pipe):
                         train_dataset=list(PROMPTS))
 
 
+def test_model_init_kwargs_on_the_command_line_reach_the_trainer(tmp_path, monkeypatch):
+    from trl_flow import cli
+
+    argv = ["--model_name_or_path", "org/model", "--output_dir", str(tmp_path), "--bf16", "true"]
+    script_args, config, _ = cli.parse_args("grpo", [*argv, "--model_init_kwargs", '{"revision": "v2"}'])
+    assert cli._load_pipeline(script_args, config) == "org/model"  # loaded by the trainer, with them
+    assert config.model_init_kwargs == {"revision": "v2", "dtype": "bfloat16"}
+    script_args, config, _ = cli.parse_args("grpo", argv)
+    monkeypatch.setattr("trl_flow.models.load_pipeline", lambda name, dtype, **kw: ("loaded", name, dtype, kw))
+    assert cli._load_pipeline(script_args, config) == ("loaded", "org/model", "bfloat16", {})  # as before
+
+
 # ------------------------------------------------------------------------------------------------ the docs
 def _docs_callback(name: str):
     """The class ``name`` defined in a python block of docs/callbacks.md."""
