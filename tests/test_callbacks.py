@@ -98,7 +98,8 @@ def test_a_callback_stops_a_shapes_run_which_saves_and_resumes_exactly(tmp_path)
     assert logs == [{k: v for k, v in e.items() if k != "step"} for e in state.log_history]
     assert all("reward" in entry for entry in logs)
     stopped_dir = tmp_path / "stopped"
-    assert sorted(n for n in os.listdir(stopped_dir) if n.startswith("checkpoint-")) == ["checkpoint-1", "checkpoint-2"]
+    checkpoint_names = sorted(n for n in os.listdir(stopped_dir) if n.startswith("checkpoint-"))
+    assert checkpoint_names == ["checkpoint-1", "checkpoint-2"]
     final = _saved_lora(stopped_dir)  # the final model, as at the end of an uninterrupted run
     assert _same(final, _saved_lora(stopped_dir / "checkpoint-2"))
     assert len(final) == len(_lora(trainer))

@@ -58,8 +58,8 @@ def check_loadable(model: str, kwargs: dict | None = None) -> None:
     sub = kwargs.get("subfolder") or ""
     if os.path.isdir(model):
         if not os.path.isfile(os.path.join(model, sub, INDEX_NAME)):
-            raise ValueError(f"model {model!r}: the folder has no {os.path.join(sub, INDEX_NAME)}, so it is not a saved "
-                             "diffusers pipeline (write one with pipe.save_pretrained(folder))")
+            raise ValueError(f"model {model!r}: the folder has no {os.path.join(sub, INDEX_NAME)}, so it is not a "
+                             "saved diffusers pipeline (write one with pipe.save_pretrained(folder))")
         return
     from huggingface_hub import constants, try_to_load_from_cache
     from huggingface_hub.utils import HFValidationError, validate_repo_id

@@ -108,8 +108,9 @@ class StepwiseFlowGRPOTrainer(FlowGRPOTrainer):
         self.timestep_scale = float(schedule.timesteps[0] / schedule.sigmas[0])
         if not torch.allclose(schedule.timesteps.float(), schedule.sigmas[:-1].float() * self.timestep_scale,
                               rtol=1e-5, atol=1e-3):
-            raise ValueError(f"{type(self.pipe.scheduler).__name__}: its timesteps are not proportional to its sigmas; "
-                             "the intermediate estimate needs a flow-matching scheduler (timestep = sigma * scale)")
+            raise ValueError(f"{type(self.pipe.scheduler).__name__}: its timesteps are not proportional to its "
+                             "sigmas; the intermediate estimate needs a flow-matching scheduler (timestep = sigma * "
+                             "scale)")
 
     # ------------------------------------------------------------------ 1. clean-image estimate of a state
     @torch.no_grad()
