@@ -305,6 +305,25 @@ def test_a_bad_model_id_fails_before_any_compute_naming_it(model, match, tmp_pat
     assert not os.path.exists(tmp_path / "out")
 
 
+def test_a_hub_id_in_the_local_cache_loads_offline(tmp_path):
+    """HF_HUB_OFFLINE (set by conftest): a Hub id loads from the cache (``cache_dir`` of model_init_kwargs, laid
+    out as huggingface_hub does); one missing there is named with the cache it was looked up in."""
+    from trl_flow.testing import tiny_sd3_pipeline
+
+    cache, commit = tmp_path / "hub", "0" * 40
+    tiny_sd3_pipeline().save_pretrained(str(cache / "models--tiny-org--tiny-sd3" / "snapshots" / commit))
+    (cache / "models--tiny-org--tiny-sd3" / "refs").mkdir()
+    (cache / "models--tiny-org--tiny-sd3" / "refs" / "main").write_text(commit)
+    config = tiny_config(tmp_path, model_init_kwargs={"cache_dir": str(cache)})
+    trainer = FlowGRPOTrainer(config, "tiny-org/tiny-sd3", [brightness], train_dataset=list(PROMPTS))
+    assert type(trainer.pipe).__name__ == "StableDiffusion3Pipeline"
+    reward, calls = _counting_reward()
+    missing = f"model 'tiny-org/other' is not in the local Hugging Face cache \\({cache}\\) and HF_HUB_OFFLINE"
+    with pytest.raises(ValueError, match=missing):
+        FlowGRPOTrainer(config, "tiny-org/other", [reward], train_dataset=list(PROMPTS))
+    assert calls == []
+
+
 def test_a_folder_without_a_pipeline_is_named(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
