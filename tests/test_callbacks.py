@@ -214,6 +214,17 @@ def test_a_stop_set_in_any_event_of_the_iteration_ends_it(event, tmp_path, fresh
     assert _same(_saved_lora(out), _saved_lora(out / "checkpoint-2"))
 
 
+def test_on_push_begin_fires_after_on_train_end_before_the_push(tmp_path, fresh_pipe, monkeypatch):
+    import trl_flow.hub
+
+    monkeypatch.setattr(trl_flow.hub, "check_hub_access", lambda *a, **k: None)
+    rec = Recorder()
+    trainer = _trainer(tmp_path, fresh_pipe, [rec], max_steps=1, push_to_hub=True, hub_model_id="me/tiny")
+    monkeypatch.setattr(trainer, "push_to_hub", lambda *a, **k: rec.calls.append(("push", None, None)))
+    trainer.train()
+    assert rec.events()[-3:] == [("on_train_end", 1), ("on_push_begin", 1), ("push", None)]
+
+
 class Counter(TrainerCallback, ExportableState):
     """A stateful callback: its count is saved with each checkpoint and restored on resume."""
 
