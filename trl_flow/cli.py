@@ -317,6 +317,9 @@ def _load_pipeline(script_args: ScriptArguments, config):
     dtype = script_args.dtype
     if dtype == "auto":
         dtype = "bfloat16" if config.bf16 else "float16" if config.fp16 else "float32"
+    if config.model_init_kwargs:  # the trainer loads the model with them (trl_flow.models.loading), --dtype included
+        config.model_init_kwargs.setdefault("dtype", dtype)
+        return script_args.model_name_or_path
     return load_pipeline(script_args.model_name_or_path, dtype)
 
 

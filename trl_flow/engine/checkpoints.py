@@ -67,24 +67,74 @@ def resume_kinds(config_cls, strict: bool = True) -> dict[str, str]:
 
 class TrainerState:
     """What a checkpoint needs besides weights and optimizer: the iteration counter, the log history and the id
-    of the run (a new run gets a fresh id; a resumed run keeps the id of its checkpoint)."""
+    of the run (a new run gets a fresh id; a resumed run keeps the id of its checkpoint).
+
+    A trainer's ``state`` is this class mixed into ``transformers.TrainerState`` (:func:`transformers_state`, when
+    the trainer is built): callbacks get transformers' own class, with ``global_step``, ``max_steps`` and
+    ``log_history`` filled in. This base stays import-light (``import trl_flow`` does not import transformers)."""
 
     def __init__(self):
         self.global_step = 0
         self.log_history: list[dict] = []
-        self.run_id = uuid.uuid4().hex[:12]
+        self.run_id = _new_run_id()
         #: accelerate's distributed type and process count of this run (distributed.describe); a resumed run keeps
         #: its own, the checkpoint's is in the saved trainer_state.json
         self.distributed: dict = {}
 
     def state_dict(self):
-        return {"global_step": self.global_step, "log_history": self.log_history, "run_id": self.run_id,
-                "distributed": self.distributed}
+        sd = {"global_step": self.global_step, "log_history": self.log_history, "run_id": self.run_id,
+              "distributed": self.distributed}
+        if getattr(self, "stateful_callbacks", None):  # transformers' ExportableState callbacks (callbacks.py)
+            sd["stateful_callbacks"] = self.stateful_callbacks
+        return sd
 
     def load_state_dict(self, sd):
         self.global_step = int(sd["global_step"])
         self.log_history = list(sd["log_history"])
         self.run_id = str(sd.get("run_id", self.run_id))
+        if hasattr(self, "stateful_callbacks"):
+            self.stateful_callbacks = dict(sd.get("stateful_callbacks") or {})
+
+
+def _new_run_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def transformers_state(state: TrainerState | None = None) -> TrainerState:
+    """``state`` (default: a fresh one) as a :class:`FlowTrainerState`: a ``transformers.TrainerState`` that is also
+    a :class:`TrainerState`, holding the same step, log history (the same list), run id and process layout."""
+    cls = _flow_state_class()
+    if isinstance(state, cls):
+        return state
+    new = cls()
+    if state is not None:
+        new.global_step, new.log_history, new.run_id = state.global_step, state.log_history, state.run_id
+        new.distributed = state.distributed
+    return new
+
+
+def _flow_state_class():
+    cls = globals().get("FlowTrainerState")
+    if cls is None:
+        from transformers import TrainerState as HFTrainerState
+
+        @dataclasses.dataclass
+        class FlowTrainerState(TrainerState, HFTrainerState):
+            """transformers' ``TrainerState`` plus trl_flow's run id and process layout; saved and resumed through
+            :meth:`TrainerState.state_dict` (``trainer_state.json`` of a checkpoint)."""
+
+            run_id: str = dataclasses.field(default_factory=_new_run_id)
+            distributed: dict = dataclasses.field(default_factory=dict)
+
+        FlowTrainerState.__module__, FlowTrainerState.__qualname__ = __name__, "FlowTrainerState"
+        cls = globals()["FlowTrainerState"] = FlowTrainerState
+    return cls
+
+
+def __getattr__(name):  # FlowTrainerState is built on first use (it imports transformers); pickle finds it here
+    if name == "FlowTrainerState":
+        return _flow_state_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclasses.dataclass

@@ -1,8 +1,10 @@
 """The training loop of every trainer: lock and prepare ``output_dir``, iterate, checkpoint, evaluate, save the
-final model, push.
+final model, push; transformers' callbacks at the points a transformers user expects (:mod:`.callbacks`).
 
-After each iteration, in this order: log; ``checkpoint-<step>`` at save steps; the final model into ``output_dir``
-after the last iteration; the evaluation when due; then a deferred SIGINT / SIGTERM is honoured. Saving comes
+After each iteration (``on_step_end`` sets the flags: the config's schedule, then the trainer's callbacks), in this
+order: log (``should_log``); ``checkpoint-<step>`` (``should_save``); the final model into ``output_dir`` after the
+last iteration, or after the one a callback stops at (``should_training_stop``); the evaluation
+(``should_evaluate``); then a deferred SIGINT / SIGTERM is honoured. Saving comes
 before evaluating, so an evaluation that fails never costs the checkpoint or the final model of its step; a run
 resumed at a step whose evaluation is due and missing from the restored log evaluates first. The final model is
 saved locally before any push, so a Hub failure never costs the weights. SIGINT / SIGTERM stay deferred during the
@@ -15,7 +17,7 @@ import os
 
 from ..rewards import RewardError
 from ..storage import SaveError
-from . import checkpoints, distributed, export
+from . import callbacks, checkpoints, distributed, export
 from . import output_dir as run_dir
 from .interrupts import InterruptGuard
 
@@ -32,7 +34,9 @@ def train(trainer, resume_from_checkpoint=None):
         try:
             _iterate(trainer)
             trainer.model.eval()
+            callbacks.fire(trainer, "on_train_end")
             if cfg.push_to_hub:
+                callbacks.fire(trainer, "on_push_begin")
                 trainer.push_to_hub()
         finally:
             # the trackers end with the run; the process group does not (accelerate's end_training() would
@@ -49,7 +53,8 @@ def _iterate(trainer) -> None:
     start = trainer.state.global_step
     bar = tqdm(total=cfg.max_steps, initial=start, desc=trainer._method_name,
                disable=cfg.disable_tqdm or not acc.is_local_main_process)
-    if _eval_due(cfg, start) and not _evaluated(trainer, start):
+    callbacks.train_begin(trainer)
+    if callbacks.eval_due(cfg, start) and not _evaluated(trainer, start):
         _evaluate(trainer, start)
     # SIGINT / SIGTERM are deferred to the end of the iteration, which is then saved: a checkpoint never holds
     # part of an iteration. Anything raised mid-iteration (a failing reward, a second Ctrl-C) saves nothing.
@@ -57,6 +62,7 @@ def _iterate(trainer) -> None:
     try:
         with guard:
             for step in range(start, cfg.max_steps):
+                callbacks.fire(trainer, "on_step_begin")
                 try:
                     metrics = trainer.training_iteration(step)
                 except RewardError as e:
@@ -68,34 +74,56 @@ def _iterate(trainer) -> None:
                 trainer._no_reward.update(metrics, step)
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics.get('reward', float('nan')):.4g}")
-                if n % cfg.logging_steps == 0 or n == cfg.max_steps:
-                    trainer.log(metrics, n)
-                if cfg.save_steps and n % cfg.save_steps == 0:
-                    trainer.save_checkpoint()
-                if n == cfg.max_steps:
-                    save_final(trainer)
-                if _eval_due(cfg, n):
-                    _evaluate(trainer, n)
+                callbacks.fire(trainer, "on_step_end")
+                final = _after_iteration(trainer, metrics, n)
                 signum = guard.stop_requested(acc)
                 if signum:
-                    if n == cfg.max_steps:
+                    if final:
                         note = f"the final model is saved in {cfg.output_dir}" + (
                             " (not pushed to the Hub)" if cfg.push_to_hub else "")
                         acc.print(f"Training finished ({n} iterations): {note}; stopping.")
                     else:
-                        note = f"saved {trainer.save_checkpoint()} after iteration {n}"
+                        note = f"saved {callbacks.save_checkpoint(trainer)} after iteration {n}"
                         acc.print(f"{note[0].upper()}{note[1:]}; stopping.")
                     exc = guard.exception(signum)
                     raise (KeyboardInterrupt(note + "; " + _kept(trainer)) if isinstance(exc, KeyboardInterrupt)
                            else exc)
+                if final:
+                    if n < cfg.max_steps:
+                        acc.print(f"Training stopped by a callback after iteration {n} of {cfg.max_steps}: the "
+                                  f"final model is saved in {cfg.output_dir}")
+                    break
             if start >= cfg.max_steps:  # resumed at the end: nothing to iterate, the final model is still saved
                 save_final(trainer)
     finally:
         bar.close()
 
 
-def _eval_due(cfg, n: int) -> bool:
-    return bool(cfg.eval_steps) and (n == 0 or n % cfg.eval_steps == 0 or n == cfg.max_steps)
+def _after_iteration(trainer, metrics: dict, n: int) -> bool:
+    """Honour the flags ``on_step_end`` set (log, checkpoint, final model, evaluation), and those the callbacks set
+    on the way (``on_log``, ``on_save``, ``on_evaluate``). Returns whether the run ends here (the final model is
+    then saved)."""
+    last = n >= trainer.config.max_steps  # the run ends at max_steps whatever a callback set
+    control = callbacks.agree(trainer)
+    if control.should_log or control.should_training_stop or last:  # the last iteration of a run is always logged
+        callbacks.log(trainer, metrics, n)
+        control = callbacks.agree(trainer)
+    if control.should_save:
+        callbacks.save_checkpoint(trainer)
+        control = callbacks.agree(trainer)
+    final = control.should_training_stop or last
+    if final:
+        save_final(trainer)
+    if control.should_evaluate:
+        _evaluate(trainer, n)
+        control = callbacks.agree(trainer)
+        if control.should_save:  # asked for by on_log / on_evaluate of the evaluation
+            callbacks.save_checkpoint(trainer)
+            control = callbacks.agree(trainer)
+        if control.should_training_stop and not final:
+            save_final(trainer)
+            final = True
+    return final
 
 
 def _evaluated(trainer, n: int) -> bool:
@@ -107,7 +135,8 @@ def _evaluate(trainer, n: int) -> None:
         metrics = trainer.evaluate()
     except RewardError as e:
         raise RewardError(f"evaluation at iteration {n}: {e}; {_kept(trainer)}") from e
-    trainer.log(metrics, n)
+    callbacks.log(trainer, metrics, n)
+    callbacks.fire(trainer, "on_evaluate", metrics=metrics)
 
 
 def _kept(trainer) -> str:

@@ -4,6 +4,7 @@ from .base import FlowAdapter, PromptEmbeds, Schedule, cat_embeds, index_embeds
 from .flux import FluxAdapter
 from .sd3 import SD3Adapter
 from .wan import WanAdapter
+from .loading import _INDEX_KWARGS
 
 GUIDE = "docs/adding_a_model.md"
 ENTRY_POINT_GROUP = "trl_flow.adapters"
@@ -117,14 +118,16 @@ def get_adapter(pipe, **options) -> FlowAdapter:
 def load_pipeline(model_name_or_path: str, torch_dtype="float32", **kwargs):
     """Load a supported diffusers pipeline (a Hub id such as ``stabilityai/stable-diffusion-3.5-medium``,
     ``black-forest-labs/FLUX.1-dev`` or ``Wan-AI/Wan2.1-T2V-1.3B-Diffusers``, or a local folder) with
-    ``DiffusionPipeline.from_pretrained`` and check that trl_flow has an adapter for it."""
+    ``DiffusionPipeline.from_pretrained`` and check that trl_flow has an adapter for it. ``kwargs`` go to
+    ``from_pretrained`` (``variant``, ``revision``, ...; ``revision``, ``cache_dir``, ``subfolder`` also to the read
+    of ``model_index.json``)."""
     import torch
     from diffusers import DiffusionPipeline
 
     dtype = getattr(torch, torch_dtype) if isinstance(torch_dtype, str) else torch_dtype
     # Components saved as absent (e.g. an SD3 pipeline without T5: `"text_encoder_3": [null, null]`) must be
     # passed as None explicitly to from_pretrained.
-    index = DiffusionPipeline.load_config(model_name_or_path)
+    index = DiffusionPipeline.load_config(model_name_or_path, **{k: kwargs[k] for k in _INDEX_KWARGS if k in kwargs})
     check_component_backends(index, model_name_or_path)
     for name, value in index.items():
         if not name.startswith("_") and isinstance(value, (list, tuple)) and list(value) == [None, None]:

@@ -48,6 +48,10 @@ class FlowRLConfig:
     max_steps: int = field(default=100, metadata=meta("harmless",
         "Number of training iterations. One iteration samples `prompts_per_step * num_generations` trajectories, "
         "scores them and runs `num_inner_epochs` passes of updates over them."))
+    model_init_kwargs: dict | str | None = field(default=None, metadata=meta("notice",
+        "Keyword arguments of `DiffusionPipeline.from_pretrained` when the trainer is given a model id or folder "
+        "instead of a pipeline: `dtype` (default `auto`: bfloat16 / float16 under bf16 / fp16, else float32), "
+        "`variant`, `revision`, ... A dict (a JSON string on the command line)."))
     # ---- batch ---------------------------------------------------------------------------------------------------
     num_generations: int = field(default=8, metadata=meta("refuse",
         "Group size G: trajectories sampled per prompt (published: 24)."))
@@ -319,6 +323,15 @@ class FlowRLConfig:
                      f"window starts in [0, {rng}) plus size {self.sde_window_size} must end before the last step ({self.num_inference_steps - 1})")
         if self.reward_weights is not None:
             need(all(math.isfinite(float(w)) for w in self.reward_weights), "reward_weights", "weights must be finite numbers")
+        if isinstance(self.model_init_kwargs, str):  # the command line's JSON string
+            import json
+
+            try:
+                self.model_init_kwargs = json.loads(self.model_init_kwargs)
+            except ValueError as e:
+                need(False, "model_init_kwargs", f"not a JSON object ({e})")
+        need(self.model_init_kwargs is None or isinstance(self.model_init_kwargs, dict), "model_init_kwargs",
+             "must be a dict of DiffusionPipeline.from_pretrained keyword arguments, or None")
         if self.report_to is None:  # TrlParser passes None for an unset list field
             self.report_to = []
         if isinstance(self.report_to, str):

@@ -28,6 +28,8 @@ from ..rewards.scheduling import OverlappedScoring, collect_scores
 from ..rollout import Rollout, sample_trajectories, step_samplers
 from ..engine import checkpoints, distributed, guards, model_setup, prompt_encoding, tracking, train_loop
 from ..engine import output_dir as run_dir
+from ..engine import callbacks as callbacks_engine
+from ..models.loading import load_model
 from .base_config import FlowRLConfig
 from ..engine.checkpoints import TrainerState
 from ..storage import LORA_WEIGHT_NAME  # noqa: F401  (re-exported)
@@ -66,7 +68,7 @@ class FlowRLTrainer:
     rollout_store = "trajectory"
 
     # ------------------------------------------------------------------------------------------------ set-up
-    def __init__(self, config, pipe, reward_funcs, train_dataset=None, eval_dataset=None):
+    def __init__(self, config, pipe, reward_funcs, train_dataset=None, eval_dataset=None, callbacks=None):
         if not isinstance(config, self.config_class):
             raise TypeError(f"config: expected a {self.config_class.__name__}, got {type(config).__name__}")
         self.config = config
@@ -80,6 +82,7 @@ class FlowRLTrainer:
         self.eval_dataset = check_prompt_dataset(eval_dataset, "eval_dataset") if eval_dataset is not None else None
         if config.eval_steps and self.eval_dataset is None:
             raise ValueError("eval_steps > 0 needs an eval_dataset; pass one or set eval_steps=0")
+        pipe = load_model(pipe, config)  # a model id or folder: loaded with model_init_kwargs (or a clear error)
         self.adapter = get_adapter(pipe)  # a pipeline, or an adapter built with options (e.g. FluxAdapter(pipe, ...))
         for name, default, who in (("experts", "all", "Wan2.2-A14B's two experts"),  # fields one family reads
                                    ("guidance_scale_2", None, "Wan2.2-A14B's two experts"),
@@ -121,6 +124,7 @@ class FlowRLTrainer:
                                                       {"train_dataset": self.train_dataset,
                                                        "eval_dataset": self.eval_dataset})
         self._no_reward = guards.NoRewardMonitor()
+        callbacks_engine.attach(self, callbacks)  # transformers' TrainerCallbacks; fires on_init_end
 
     @property
     def logprob_reduction(self) -> str:

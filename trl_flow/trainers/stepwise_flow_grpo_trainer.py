@@ -99,16 +99,18 @@ class StepwiseFlowGRPOTrainer(FlowGRPOTrainer):
     paper = "Stepwise-Flow-GRPO, arXiv 2603.28718"
     keep_velocities = True  # the first Euler substep of every estimate reuses the rollout's velocity
 
-    def __init__(self, config, pipe, reward_funcs, train_dataset=None, eval_dataset=None):
-        super().__init__(config, pipe, reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset)
+    def __init__(self, config, pipe, reward_funcs, train_dataset=None, eval_dataset=None, callbacks=None):
+        super().__init__(config, pipe, reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                         callbacks=callbacks)
         # Substeps evaluate the model at sigmas off the rollout's schedule: timestep = sigma * scale, as the
         # flow-matching schedulers build their timesteps. Checked on the real schedule, before any model compute.
         schedule = self.adapter.schedule(config.num_inference_steps, config.height, config.width)
         self.timestep_scale = float(schedule.timesteps[0] / schedule.sigmas[0])
         if not torch.allclose(schedule.timesteps.float(), schedule.sigmas[:-1].float() * self.timestep_scale,
                               rtol=1e-5, atol=1e-3):
-            raise ValueError(f"{type(pipe.scheduler).__name__}: its timesteps are not proportional to its sigmas; "
-                             "the intermediate estimate needs a flow-matching scheduler (timestep = sigma * scale)")
+            raise ValueError(f"{type(self.pipe.scheduler).__name__}: its timesteps are not proportional to its "
+                             "sigmas; the intermediate estimate needs a flow-matching scheduler (timestep = sigma * "
+                             "scale)")
 
     # ------------------------------------------------------------------ 1. clean-image estimate of a state
     @torch.no_grad()
