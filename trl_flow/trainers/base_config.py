@@ -163,6 +163,10 @@ class FlowRLConfig:
     sde_window_range: int | None = field(default=None, metadata=meta("notice",
         "Window starts (`sde_steps_mode='random'`: the steps) are drawn in [0, sde_window_range); default "
         "num_inference_steps // 2."))
+    timestep_fraction: float = field(default=1.0, metadata=meta("notice",
+        "Share of the schedule's K steps the update trains: the trained steps below int(K x fraction), as "
+        "flow_grpo's train.timestep_fraction (its maintainer: 0.5 'speeds up training'; DanceGRPO / MixGRPO 0.6); "
+        "1 trains every stochastic step. DiffusionNFT: T = int(K x fraction) training timesteps per sample."))
     sde_steps_mode: str = field(default="window", metadata=meta("notice",
         "How the sde_window_size stochastic (trained) steps are placed, ODE elsewhere, drawn from (seed, step): "
         "`window` (default, Flow-GRPO-Fast / MixGRPO): consecutive, start in [0, sde_window_range); `random`: "
@@ -272,6 +276,11 @@ class FlowRLConfig:
         need(self.scale_rewards in SCALE_REWARDS, "scale_rewards", f"must be one of {SCALE_REWARDS}")
         need(self.guidance_grad in GUIDANCE_GRADS, "guidance_grad", f"must be one of {GUIDANCE_GRADS}")
         need(self.sde_steps_mode in SDE_STEPS_MODES, "sde_steps_mode", f"must be one of {SDE_STEPS_MODES}")
+        need(isinstance(self.timestep_fraction, (int, float)) and not isinstance(self.timestep_fraction, bool)
+             and 0 < self.timestep_fraction <= 1, "timestep_fraction", "must be in (0, 1]")
+        need(self.num_train_timesteps >= 1, "timestep_fraction",
+             f"int(num_inference_steps * timestep_fraction) = int({self.num_inference_steps} * "
+             f"{self.timestep_fraction}) = 0 trains no timestep; raise it or num_inference_steps")
         need(self.finetune in ("lora", "full"), "finetune", "must be `lora` or `full`")
         need(self.optim in ("adamw_torch", "adamw_8bit"), "optim", "must be `adamw_torch` or `adamw_8bit`")
         need(math.isfinite(self.noise_level) and self.noise_level > 0, "noise_level", "must be > 0 (0 makes every step deterministic: nothing to train)")
@@ -351,6 +360,12 @@ class FlowRLConfig:
                 need(False, "hub_base_model", f"must be a Hub id like `org/name` ({e})")
         if self.save_total_limit is not None:
             need(self.save_total_limit >= 1, "save_total_limit", "must be >= 1 or None")
+
+    @property
+    def num_train_timesteps(self) -> int:
+        """int(num_inference_steps * timestep_fraction): the policy-gradient trainers train the steps below it;
+        DiffusionNFT that many training timesteps per sample."""
+        return int(self.num_inference_steps * self.timestep_fraction)
 
     @property
     def train_batch_size(self) -> int:

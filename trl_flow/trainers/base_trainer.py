@@ -394,7 +394,7 @@ class FlowRLTrainer:
         n = len(rollout)
         mb = cfg.per_device_train_batch_size
         log = UpdateLog()
-        grad_norms, prompts_per_mb = [], []
+        grad_norms, prompts_per_mb, terms_per_mb = [], [], []
         self.model.train()
         for epoch in range(cfg.num_inner_epochs):
             # Epoch 0 keeps the rollout's batch composition, so its log-probs are recomputed bit for bit.
@@ -410,6 +410,7 @@ class FlowRLTrainer:
                                    for idx in group]
                 for b_i, idx in enumerate(group):
                     terms = self.loss_terms(rollout, idx, step, epoch, g_i * len(groups[0]) + b_i)
+                    terms_per_mb.append(len(terms))
                     for t_i, term in enumerate(terms):
                         last = b_i == len(group) - 1 and t_i == len(terms) - 1
                         with contextlib.nullcontext() if last else acc.no_sync(self.model):
@@ -429,6 +430,7 @@ class FlowRLTrainer:
                 self.after_optimizer_step()
         metrics = self.update_metrics(log)
         metrics["prompts_per_microbatch"] = sum(prompts_per_mb) / len(prompts_per_mb) if prompts_per_mb else 0.0
+        metrics["trained_steps"] = sum(terms_per_mb) / len(terms_per_mb) if terms_per_mb else 0.0  # per microbatch
         finite = [g for g in grad_norms if math.isfinite(g)]
         metrics["grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
         metrics["nonfinite_skipped"] = self._nonfinite_skipped

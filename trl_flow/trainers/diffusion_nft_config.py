@@ -83,18 +83,8 @@ class DiffusionNFTConfig(FlowRLConfig):
              "must be a finite number > 0 (the policy loss is divided by it; the reference uses 1.0, 0.1 for OCR)")
         need(self.decay_type in DECAY_SCHEDULES and not isinstance(self.decay_type, bool), "decay_type",
              f"must be one of {sorted(DECAY_SCHEDULES)} (the reference code's return_decay schedules)")
-        need(isinstance(self.timestep_fraction, (int, float)) and 0 < self.timestep_fraction <= 1, "timestep_fraction",
-             "must be in (0, 1]")
-        need(self.num_train_timesteps >= 1, "timestep_fraction",
-             f"int(num_inference_steps * timestep_fraction) = int({self.num_inference_steps} * "
-             f"{self.timestep_fraction}) = 0 trains no timestep; raise it or num_inference_steps")
         need(self.timestep_sampling in TIMESTEP_SAMPLINGS, "timestep_sampling", f"must be one of {TIMESTEP_SAMPLINGS}")
         need(self.adv_mode in ADV_MODES, "adv_mode", f"must be one of {ADV_MODES}")
         need(not (self.same_noise_per_group and self.sampler == "ode"), "same_noise_per_group",
              "with the deterministic `ode` sampler every trajectory of a group would be the same image (one reward, "
              "no advantage); set it False or use a stochastic sampler")
-
-    @property
-    def num_train_timesteps(self) -> int:
-        """T: the training timesteps per sample and iteration."""
-        return int(self.num_inference_steps * self.timestep_fraction)

@@ -118,6 +118,9 @@ class OPGRPOConfig(FlowGRPOConfig):
         if not (isinstance(k_off, int) and not isinstance(k_off, bool) and 1 <= k_off <= self.num_inference_steps):
             raise ValueError(f"{name}.truncation_step={self.truncation_step!r}: must be in [1, num_inference_steps="
                              f"{self.num_inference_steps}], or None for truncation_fraction")
+        if self.timestep_fraction != 1:
+            raise ValueError(f"{name}.timestep_fraction={self.timestep_fraction}: OP-GRPO trains the regenerated tail "
+                             "of replayed trajectories, which a fraction from the start of the schedule would drop; use 1")
         if self.sde_window_size:
             raise ValueError(f"{name}.sde_window_size={self.sde_window_size}: OP-GRPO replays whole trajectory prefixes, whose stochastic steps must not move between iterations; use sde_window_size=0")
         P, G = self.prompts_per_step, self.num_generations

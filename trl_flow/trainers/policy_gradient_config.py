@@ -53,6 +53,9 @@ class PolicyGradientConfig(FlowRLConfig):
         super().__post_init__()
         need = self._need
         need(self.sampler != "ode", "sampler", "`ode` has no log-prob and cannot be trained; use flow_sde, cps or ddim")
+        need(self.timestep_fraction == 1 or not self.sde_window_size, "timestep_fraction",
+             f"with sde_window_size={self.sde_window_size} the window already picks the trained steps; use one of the "
+             "two (flow_grpo's Fast script uses the window alone)")
         need(self.logprob_reduction in REDUCTIONS, "logprob_reduction", f"must be one of {REDUCTIONS}")
         need(self.kl_form in KL_FORMS, "kl_form", f"must be one of {KL_FORMS}")
         need(self.trust_region in TRUST_REGIONS, "trust_region", f"must be one of {TRUST_REGIONS}")

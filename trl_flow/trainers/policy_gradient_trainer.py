@@ -45,7 +45,10 @@ class PolicyGradientTrainer(FlowRLTrainer):
 
     # ------------------------------------------------------------------------------------------- update
     def loss_terms(self, rollout, idx, step, epoch, batch):
-        return rollout.trained_steps()  # identical on every process (DDP needs equal backward calls)
+        """The rollout's trained steps below ``num_train_timesteps`` (``timestep_fraction``; all at 1): a function of
+        the schedule and config alone, so identical on every process (DDP needs equal backward calls)."""
+        limit = self.config.num_train_timesteps
+        return [k for k in rollout.trained_steps() if k < limit]
 
     def term_loss(self, rollout, idx, k):
         out = self.forward_step(rollout, idx, k, need_ref=self.config.beta > 0)
