@@ -39,13 +39,14 @@ def sample_keys(adapter, prompts: list[str], columns: dict | None) -> list:
     return [(p, source_key(s)) for p, s in zip(prompts, sources)]
 
 
-def _take(embeds: dict, index: list[int]) -> dict:
-    """Rows ``index`` of every tensor (on the tensor's device)."""
-    return {k: v.index_select(0, torch.tensor(index, dtype=torch.long, device=v.device)) for k, v in embeds.items()}
+def _cacheable(key) -> bool:
+    """A key that names its conditioning by value (a prompt, a source image's path or bytes): an in-memory image is
+    known only by its object id, which a later object may reuse."""
+    return not (isinstance(key, tuple) and isinstance(key[1], tuple) and key[1][0] == "object")
 
 
 def encode_samples(adapter, prompts: list[str], columns: dict | None, guidance: bool, max_sequence_length: int,
-                   batch_size: int) -> dict:
+                   batch_size: int, cache: dict | None = None, device=None) -> dict:
     """Prompt embeddings of N samples (each tensor (N, ...)), bit for bit ``cat_embeds`` of
     ``adapter.encode_prompts`` on each chunk of ``batch_size`` samples (the former path), with each distinct row
     encoded once. ``columns``: the samples' dataset columns ({name: N values}; an editing adapter reads its source
@@ -58,6 +59,11 @@ def encode_samples(adapter, prompts: list[str], columns: dict | None, guidance: 
     * ``"longest"`` (the pipeline pads to the longest prompt of the call, Qwen-Image): a row's values depend on its
       companions too, so each chunk is encoded as before and only identical chunks (the ``num_generations /
       batch_size`` chunks of one prompt) are encoded once.
+
+    ``cache`` (``cache_prompt_embeds``): a dict kept across calls. Each encoded row (``max_length``) or chunk
+    (``longest``) is stored on the CPU under everything its values depend on (guidance, max_sequence_length, the
+    call's size, the prompt and source key) and reused bit for bit, on ``device``; only rows never seen run the
+    encoders.
     """
     keys = sample_keys(adapter, prompts, columns)
     chunks = [range(lo, min(lo + batch_size, len(prompts))) for lo in range(0, len(prompts), batch_size)]
@@ -68,30 +74,48 @@ def encode_samples(adapter, prompts: list[str], columns: dict | None, guidance: 
         extra = {} if images is None else {"images": images}
         return adapter.encode_prompts([prompts[r] for r in rows], guidance, max_sequence_length, **extra)
 
-    calls, where = [], []  # the encoder calls' outputs; each sample's (call, row)
+    rows: dict = {}  # (size or "chunk", key) -> that row's or chunk's embeddings
+
+    def store(slot, out):
+        rows[slot] = out
+        if cache is not None and all(_cacheable(k) for k in (slot[1] if slot[0] == "chunk" else (slot[1],))):
+            cache[(guidance, max_sequence_length, *slot)] = {k: v.detach().cpu() for k, v in out.items()}
+
+    def cached(slot):
+        if cache is None or (guidance, max_sequence_length, *slot) not in cache:
+            return None
+        return cache[(guidance, max_sequence_length, *slot)]
+
     if getattr(adapter, "prompt_padding", "max_length") == "longest":
-        seen = {}
         for chunk in chunks:
-            key = tuple(keys[i] for i in chunk)
-            if key not in seen:
-                seen[key] = len(calls)
-                calls.append(encode(list(chunk)))
-            where += [(seen[key], j) for j in range(len(chunk))]
+            slot = ("chunk", tuple(keys[i] for i in chunk))
+            if slot not in rows:
+                hit = cached(slot)
+                if hit is None:
+                    store(slot, encode(list(chunk)))
+                else:
+                    rows[slot] = hit
+        parts = [rows[("chunk", tuple(keys[i] for i in chunk))] for chunk in chunks]
     else:
         first: dict[int, dict] = {}  # chunk size -> {key: its first sample}: each row encoded in a call of its size
         for chunk in chunks:
             for i in chunk:
                 first.setdefault(len(chunk), {}).setdefault(keys[i], i)
-        slot = {}
         for size, rows_of in first.items():
-            distinct = list(rows_of.items())
-            for lo in range(0, len(distinct), size):
-                part = distinct[lo : lo + size]
-                rows = [i for _, i in part]
-                calls.append(encode(rows + rows[-1:] * (size - len(rows))))
-                slot.update({(size, key): (len(calls) - 1, j) for j, (key, _) in enumerate(part)})
-        where = [slot[(len(chunk), keys[i])] for chunk in chunks for i in chunk]
-    offsets = [0]
-    for out in calls:
-        offsets.append(offsets[-1] + len(next(iter(out.values()))))
-    return _take(cat_embeds(calls), [offsets[c] + j for c, j in where])
+            todo = []
+            for key, i in rows_of.items():
+                hit = cached((size, key))
+                if hit is None:
+                    todo.append((key, i))
+                else:
+                    rows[(size, key)] = hit
+            for lo in range(0, len(todo), size):
+                part = todo[lo : lo + size]
+                idx = [i for _, i in part]
+                out = encode(idx + idx[-1:] * (size - len(idx)))
+                for j, (key, _) in enumerate(part):
+                    store((size, key), {k: v[j : j + 1] for k, v in out.items()})
+        parts = [rows[(len(chunk), keys[i])] for chunk in chunks for i in chunk]
+    if cache is not None and device is not None:
+        parts = [{k: v.to(device) for k, v in p.items()} for p in parts]
+    return cat_embeds(parts)

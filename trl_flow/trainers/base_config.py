@@ -91,6 +91,10 @@ class FlowRLConfig:
         "fp16 mixed precision (like bf16, with a gradient scaler)."))
     gradient_checkpointing: bool = field(default=False, metadata=meta("harmless",
         "Enable the transformer's gradient checkpointing to save memory."))
+    cache_prompt_embeds: bool = field(default=False, metadata=meta("harmless",
+        "Keep every prompt's embeddings (on the CPU) across iterations and evaluations, keyed by all they depend on, "
+        "so the text encoders run once per distinct prompt; results are bit for bit those of encoding each time "
+        "(Flow-Factory, DanceGRPO and UniRL precompute or cache them). Memory: one embedding per distinct prompt."))
     offload: str = field(default="none", metadata=meta("harmless",
         "`none`, or `model`: the text encoders and the VAE wait in CPU memory and move to the device only to encode "
         "prompts / decode images (saves their device memory during sampling and the update; results unchanged)."))

@@ -35,6 +35,24 @@ from ..engine.checkpoints import TrainerState
 from ..storage import LORA_WEIGHT_NAME  # noqa: F401  (re-exported)
 
 
+@contextlib.contextmanager
+def count_forwards(pipe, trained_components):
+    """Counts forward passes while the block runs: ``{"transformer": ..., "text_encoder": ...}`` (the trained
+    transformer(s), every ``text_encoder*`` component); the hooks are removed at the end."""
+    calls = {"transformer": 0, "text_encoder": 0}
+    hooks = []
+    for name, module in pipe.components.items():
+        kind = "transformer" if name in trained_components else "text_encoder" if name.startswith(
+            "text_encoder") else None
+        if kind is not None and isinstance(module, torch.nn.Module):
+            hooks.append(module.register_forward_pre_hook(lambda *_, k=kind: calls.__setitem__(k, calls[k] + 1)))
+    try:
+        yield calls
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 class UpdateLog:
     """What the update loop logs: sums and counts of each statistic, and the extremes a layer keeps."""
 
@@ -120,6 +138,7 @@ class FlowRLTrainer:
             model_setup.remove_adapters(self)  # the pipeline stays usable for another trainer
             raise
         self._nonfinite_skipped = 0
+        self._embed_cache = {} if config.cache_prompt_embeds else None
         self._long_prompts = guards.LongPromptWarning(self.adapter, config.max_sequence_length,
                                                       {"train_dataset": self.train_dataset,
                                                        "eval_dataset": self.eval_dataset})
@@ -204,7 +223,8 @@ class FlowRLTrainer:
         with self._autocast(), self.offloader.use("text_encoder"), self._long_prompts.silence_pipeline():
             return prompt_encoding.encode_samples(self.adapter, prompts, columns, guidance_scale > 1,
                                                   self.config.max_sequence_length,
-                                                  self.config.per_device_train_batch_size)
+                                                  self.config.per_device_train_batch_size,
+                                                  cache=self._embed_cache, device=self.device)
 
     def sample_prompts(self, step: int) -> tuple[list[str], dict[str, list], torch.Tensor]:
         """This iteration's samples on this process: prompts, other columns and global group ids (each of N)."""
@@ -473,14 +493,23 @@ class FlowRLTrainer:
 
     def training_iteration(self, step: int) -> dict[str, float]:
         """One iteration: rollout (with rewards), advantages, update. Returns its metrics."""
-        t0 = time.perf_counter()
-        rollout = self.make_rollout(step)
-        t1 = time.perf_counter()
-        self.compute_advantages(rollout)
-        metrics = self.optimize(rollout, step)
-        t2 = time.perf_counter()
+        with count_forwards(self.pipe, self.adapter.trained_components()) as calls:
+            t0 = time.perf_counter()
+            rollout = self.make_rollout(step)
+            t1 = time.perf_counter()
+            rollout_calls = dict(calls)
+            self.compute_advantages(rollout)
+            metrics = self.optimize(rollout, step)
+            t2 = time.perf_counter()
         metrics.update(self.rollout_metrics(rollout))
         metrics.update({"time/rollout_s": t1 - t0, "time/update_s": t2 - t1})
+        n = len(rollout)  # this process's samples
+        metrics.update({"throughput/rollout_images_per_s": n / max(t1 - t0, 1e-9),
+                        "throughput/update_images_per_s": n / max(t2 - t1, 1e-9),
+                        "throughput/iteration_images_per_s": n / max(t2 - t0, 1e-9),
+                        "calls/rollout_transformer": rollout_calls["transformer"],
+                        "calls/update_transformer": calls["transformer"] - rollout_calls["transformer"],
+                        "calls/text_encoder": calls["text_encoder"]})
         metrics.update(rollout.extras.get("metrics", {}))
         if self.config.log_images_steps and (step + 1) % self.config.log_images_steps == 0:
             self._save_grid(rollout.images, f"train_step_{step + 1}.png")
