@@ -283,7 +283,7 @@ def test_docs_quote_the_committed_editing_base():
 
 def _tier6(folder):
     """A committed tier-6 folder's runs (by seed) and its docs rows: per seed the trained-strict curve, held-out
-    strict, training reward first / last 10 iterations and KL, as docs/benchmarks.md's tables give them."""
+    strict, training reward first / last 10 iterations and KL, as docs/history.md's tables give them."""
     import statistics
 
     data = json.load(open(os.path.join(ROOT, "benchmarks", "results", folder, "results.json")))
@@ -316,7 +316,7 @@ def _tier6_verdict(final, base) -> str:
 
 
 def test_editing_tier_numbers_in_docs_are_the_committed_runs():
-    """docs/benchmarks.md's tier-6 tables and summaries (issue 40) are the committed runs of
+    """docs/history.md's tier-6 tables and summaries (the editing tier) are the committed runs of
     benchmarks/results/shapes_edit_long (lr 1e-3) and shapes_edit_lr5e4 (lr 5e-4), both 120 iterations at beta 0.04:
     the per-seed rows, and over seeds the final mean +- std and its one-sample t against the base, with the verdict
     its t gives (beyond the seed spread at p < 0.05, results_page.significance with the base taken as exact). The
@@ -324,7 +324,7 @@ def test_editing_tier_numbers_in_docs_are_the_committed_runs():
     def scores(e):
         return {k: v for k, v in e.items() if k not in ("cpu_s", "eval_cpu_s")}
 
-    text = " ".join(open(os.path.join(ROOT, "docs", "benchmarks.md")).read().split())
+    text = " ".join(open(os.path.join(ROOT, "docs", "history.md")).read().split())
     data, runs, rows = _tier6("shapes_edit_long")
     _, short, _ = _tier6("shapes_edit_beta")
     assert [r["seed"] for r in runs] == [r["seed"] for r in short] == [0, 1, 2]
