@@ -3,7 +3,7 @@ sample against its group's fresh ones, on the shapes benchmark's tier-2 configur
 
     OMP_NUM_THREADS=1 python benchmarks/op_replay_advantages.py --label op_grpo_legacy_g4_share_100@0.0005 --steps 60
 
-(``op_grpo_legacy_g4_share_100`` is the committed ``op_grpo_g4_share_100`` run, renamed in issue 38; ``--label op_grpo_g4``
+(``op_grpo_legacy_g4_share_100`` is the committed ``op_grpo_g4_share_100`` run, renamed in the replay-share change; ``--label op_grpo_g4``
 measures the described form at G = 4.)
 
 Writes ``--out`` (JSON: one row per iteration, and means over all iterations). A replayed trajectory is the best of

@@ -29,7 +29,7 @@ FIGURES = os.path.join(ROOT, "docs", "figures")
 # by then, so the commits that committed them are the history up to it (a later commit never changes that list)
 CODE_RECORDED_AFTER = "a0af8351e83ce22d98c1a519fddf49760cf73faa"
 
-# OP-GRPO's described ablations (issue 38), each against the described form at lr 1e-3; Flow-GRPO last.
+# OP-GRPO's described ablations (the replay-share change), each against the described form at lr 1e-3; Flow-GRPO last.
 OP_ABLATIONS = {"op_grpo@0.001": "OP-GRPO (described form)",
                 "op_grpo_per_step@0.001": "per-step ratio instead of the sequence weight",
                 "op_grpo_no_correction@0.001": "no off-policy correction",
@@ -753,7 +753,7 @@ def render(panels: dict) -> str:
     lines += ["## Before / after", "",
               "The main job (`python examples/quickstart.py`): one row per trained prompt, before training and after, "
               "same noise.", "", "![before / after](../benchmarks/results/quickstart/before_after.png)", "",
-              "The history of every run, sweep and ablation is the lab notebook, [benchmarks.md](benchmarks.md).", ""]
+              "The history of every run, sweep and ablation is the lab notebook, [history.md](history.md).", ""]
     return "\n".join(lines)
 
 

@@ -14,11 +14,11 @@ Tiers (``--tier``, ``TIERS``), each its own output folder, all on the noisy-capt
 * tier 5, the sparse tier: 8 position prompts on which the base rarely succeeds (ODE strict success in (0, 0.15],
   ``SPARSE_PROMPTS``, chosen by ``sparse_prompts``'s rule from the measured table
   ``benchmarks/results/shapes_sparse_base/per_prompt.json`` before any run on it), trained on the binary
-  ``shapes_strict`` reward, so that a good trajectory is rare (where a replay buffer can pay: issue 38);
+  ``shapes_strict`` reward, so that a good trajectory is rare (where a replay buffer can pay: the replay-share change);
 * tier 3, a category (position), scored on held-out prompts RL never trains on: ``val`` (the held-out split of
   the same grammar, ``grammar.val_prompts``: 20% of the train-split prompts) and ``test`` (the stricter
   held-out-pairs split, ``grammar.test_prompts``: object pairs never seen together in any training prompt);
-* tier 6, the editing tier (issue 40): the editing base (a tiny FLUX.1 Kontext pipeline,
+* tier 6, the editing tier (the editing tier): the editing base (a tiny FLUX.1 Kontext pipeline,
   ``shapes.load_edit_base_pipeline``) trained on 8 edit instructions (``TIER6_INSTRUCTIONS``, chosen by
   ``edit_tier_instructions``'s rule from the measured table ``EDIT_BASE_TABLE``: the 4 recolour and 4 move
   train-split instructions on which the base succeeds most often),
@@ -26,14 +26,14 @@ Tiers (``--tier``, ``TIERS``), each its own output folder, all on the noisy-capt
   objects kept); scored on fresh scenes of those instructions (``trained``) and of the held-out instructions
   (``held_out``, ``edit.test_instructions``);
 * tier 0, the hard track: tier 3 on the clean base with the partial reward (``benchmarks/results/shapes``, where
-  no setting learned: docs/benchmarks.md, "The signal search").
+  no setting learned: docs/history.md, "The signal search").
 
 Tiers 1 and 2 also report ``val`` (does what is learned on the trained prompts carry over?). The score and the
 training reward of a tier are stated in ``TIERS``; strict and partial are both reported.
 Per evaluation it records strict / partial per category, shape cleanliness (not rewarded: catches reward hacking)
 and the exact-kernel KL to the base model along the policy's ODE trajectories; per iteration the rollout reward,
 clip / mask fractions and CPU seconds per phase. The search that chose this task and ``BASE`` is in
-``docs/benchmarks.md``.
+``docs/history.md``.
 
 Outputs in ``--out``: ``results.json`` (every curve), ``summary.json`` (what a script needs: ``base``, per method
 ``seeds``, ``final_mean``, ``final_std``, ``steps_to_target`` relative to Flow-GRPO, ``kl_final``, the score's name,
@@ -50,7 +50,7 @@ it after changing the harness); ``runs/`` is not committed: ``results.json`` hol
 back into ``runs/`` before anything runs, and every invocation summarises all of the folder's runs (so a run added to
 a committed folder keeps the others; ``--quick`` writes to its own folder, ``shapes_quick``). Without ``--lrs`` each
 method runs at its swept learning rate for the tier (``SWEPT_LR``, chosen from the committed sweep,
-docs/benchmarks.md) or ``BASE``'s. Each run's record (:func:`run_record`) says what it ran: ``code`` holds the git
+docs/history.md) or ``BASE``'s. Each run's record (:func:`run_record`) says what it ran: ``code`` holds the git
 commit, whether tracked files outside benchmarks/results differed from it, the evaluation seed and the machine
 (:func:`code_info`); runs committed before that record existed lack it (docs/results.md names the commits that
 committed them).
@@ -94,7 +94,7 @@ TIER2B_PROMPTS = [
     "a green square below a blue circle", "a blue circle below a green circle",
     "a blue triangle to the right of a green square",
 ]
-# The sparse tier (tier 5, issue 38), chosen by ``sparse_prompts``'s rule from the base's measured per-prompt ODE
+# The sparse tier (tier 5, the replay-share change), chosen by ``sparse_prompts``'s rule from the base's measured per-prompt ODE
 # strict success (scripts/measure_sparse_prompts.py -> SPARSE_BASE_TABLE) before any run on it
 SPARSE_BASE_TABLE = "benchmarks/results/shapes_sparse_base/per_prompt.json"
 SPARSE_MAX_RATE = 0.15
@@ -118,7 +118,7 @@ def sparse_prompts(rows: list[dict], n: int = 8, max_rate: float = SPARSE_MAX_RA
     return sorted(pool, key=lambda p: hashlib.md5(p.encode()).hexdigest())[:n]
 
 
-# The editing tier (tier 6, issue 40): instructions chosen by ``edit_tier_instructions``'s rule from the editing base's
+# The editing tier (tier 6, the editing tier): instructions chosen by ``edit_tier_instructions``'s rule from the editing base's
 # measured per-instruction success (scripts/measure_shapes_edit_base.py -> EDIT_BASE_TABLE) before any run on it
 EDIT_BASE_TABLE = "benchmarks/results/shapes_edit_base/per_instruction.json"
 TIER6_INSTRUCTIONS = [  # measured base strict (of 64 scenes): 0.531, 0.438, 0.359, 0.328, 0.562, 0.547, 0.531, 0.484
@@ -150,7 +150,7 @@ TIERS = {
             primary="trained", score="strict", reward="relation", steps=30, eval_every=5, config="ROLLOUT_16"),
     2: dict(base="noisy", train=TIER2_PROMPTS, evals={"trained": (TIER2_PROMPTS, 128), "val": ("val:position", 64)},
             primary="trained", score="strict", reward="relation", steps=60, eval_every=10, config="ROLLOUT_16"),
-    # tier 2 on its second prompt set: every tier-2 claim is measured on both sets (issue 37)
+    # tier 2 on its second prompt set: every tier-2 claim is measured on both sets (the T' measurement)
     4: dict(base="noisy", train=TIER2B_PROMPTS, evals={"trained": (TIER2B_PROMPTS, 128), "val": ("val:position", 64)},
             primary="trained", score="strict", reward="relation", steps=60, eval_every=10, config="ROLLOUT_16"),
     # the sparse tier: binary reward, base strict <= 0.15 on each trained prompt (docs/benchmarks.md, "The sparse tier")
@@ -164,7 +164,7 @@ TIERS = {
             evals={"trained": (TIER6_INSTRUCTIONS, 128), "held_out": ("test:edit", 64)},
             primary="trained", score="strict", reward="edit", steps=60, eval_every=10, config="EDIT"),
 }
-# Tiers 1-3 (pilot, docs/benchmarks.md): 16 samples per group and microbatches of 32 without accumulation, i.e.
+# Tiers 1-3 (pilot, docs/history.md): 16 samples per group and microbatches of 32 without accumulation, i.e.
 # 4 optimizer steps per iteration of 8 groups; with BASE's 8 x 8 and one step per iteration Flow-GRPO drifted down.
 TIER_CONFIGS = {"ROLLOUT_16": dict(num_generations=16, gradient_accumulation_steps=1),
                 # the editing base: sources encoded at the output size (32 x 32), 8 T5 tokens, no guidance (none
@@ -172,10 +172,10 @@ TIER_CONFIGS = {"ROLLOUT_16": dict(num_generations=16, gradient_accumulation_ste
                 "EDIT": dict(num_generations=16, gradient_accumulation_steps=1, source_image_size="output",
                              max_sequence_length=8, guidance_scale=1.0, eval_num_inference_steps=10)}
 PILOT: dict = {}  # --set KEY=VALUE: over BASE and the tier's config, under a method's own overrides
-# Learning rate per (tier, method) chosen by the committed sweep (docs/benchmarks.md); others use BASE's.
+# Learning rate per (tier, method) chosen by the committed sweep (docs/history.md); others use BASE's.
 SWEPT_LR: dict[int, dict[str, float]] = {2: {"flow_grpo": 1e-3, "op_grpo": 1e-3, "flow_dppo": 1e-3}}
 SWEPT_LR[4] = SWEPT_LR[2]  # tier 2b takes tier 2's swept rates (not swept again on its prompts)
-# Acceptance of tier 2 (issue 18): Flow-GRPO's final score on the trained prompts beats the base by these.
+# Acceptance of tier 2 (the tier-2 acceptance): Flow-GRPO's final score on the trained prompts beats the base by these.
 ACCEPT_GAIN, ACCEPT_STDS, ACCEPT_CPU_MIN = 0.15, 3.0, 15.0
 # The sparse tier's gain (its base is ~0.10, not tier 2's 0.24): +0.10 doubles the base's success rate (tier 2's +0.15
 # is +60% of its base) and is 3-4 binomial standard errors of its 128-image evaluation at these rates (0.027-0.035)
@@ -198,7 +198,7 @@ UNIRL_STEPS = dict(sde_steps_mode="random", sde_window_size=3, sde_window_range=
 # label -> (registered trainer name, trl_flow.registered_trainers(); overrides of its config)
 METHODS = {
     "flow_grpo": ("grpo", {}),
-    # OP-GRPO in the described form (issue 38, OPGRPOConfig's defaults): 25% of the SAMPLES replayed, in groups of at
+    # OP-GRPO in the described form (the replay-share change, OPGRPOConfig's defaults): 25% of the SAMPLES replayed, in groups of at
     # most G // 2 buffered + fresh trajectories; only the late tail regenerated (truncation_fraction 0.1: k_off = 8 of
     # 10, the last of the 9 trained steps). Its ablations: correction (per-step ratio, none), truncation, share.
     "op_grpo": ("op-grpo", {}),
@@ -215,7 +215,7 @@ METHODS = {
     # trajectory per prompt, so 1 / 4 = 25% of the samples are replayed; late truncation (truncation_fraction's 0.1)
     "op_grpo_g4_one": ("op-grpo",
                        {"num_generations": 4, "replay_unit": "group", "off_policy_fraction": 1.0}),
-    # OP-GRPO as it was before issue 38 (the committed results up to then): off_policy_fraction the share of GROUPS
+    # OP-GRPO as it was before the replay-share change (the committed results up to then): off_policy_fraction the share of GROUPS
     # replaying one buffered trajectory each, truncation at K // 2 = 5 (sigma 0.71, not late). The committed labels
     # map as: op_grpo -> op_grpo_legacy, op_grpo_per_step -> op_grpo_legacy_per_step, op_grpo_no_correction ->
     # op_grpo_legacy_no_correction, op_grpo_no_truncation -> op_grpo_legacy_no_truncation, op_grpo_share_100 ->
@@ -262,8 +262,8 @@ METHODS = {
     # tier's CFG-3 base: give the pair its own --out (e.g. shapes_tier2_unirl) and --reference flow_grpo_unirl_steps.
     "flow_dppo_unirl": ("dppo", {**UNIRL_STEPS, "kl_mask_first_step": "clamp"}),
     "flow_grpo_unirl_steps": ("grpo", UNIRL_STEPS),
-    # Stepwise-Flow-GRPO: its own defaults (flow_sde since issue 16's measurement, shared noise per group, joint
-    # normalisation) at the paper's T' = 5 (the default until issue 37's measurement, now 2: `stepwise_t2`), so the
+    # Stepwise-Flow-GRPO: its own defaults (flow_sde since the kernel measurement's measurement, shared noise per group, joint
+    # normalisation) at the paper's T' = 5 (the default until the T' measurement's measurement, now 2: `stepwise_t2`), so the
     # committed `stepwise@...` runs keep their meaning
     "stepwise": ("stepwise", {"num_substeps": 5}),
     "stepwise_per_step": ("stepwise",
@@ -272,7 +272,7 @@ METHODS = {
     # the paper's cheaper estimates (it reports its results robust to T' in {2, 5, 8})
     "stepwise_t2": ("stepwise", {"num_substeps": 2}),
     "stepwise_t3": ("stepwise", {"num_substeps": 3}),
-    # the paper's ddim kernel (the default until issue 16's measurement): its early stds are tiny, so its clip binds
+    # the paper's ddim kernel (the default until the kernel measurement's measurement): its early stds are tiny, so its clip binds
     # sooner; with eta 1 and with a 5x wider clip
     "stepwise_ddim": ("stepwise", {"sampler": "ddim", "num_substeps": 5}),
     "stepwise_ddim_eta1": ("stepwise",
@@ -280,7 +280,7 @@ METHODS = {
     "stepwise_ddim_clip5e-3": ("stepwise",
                                {"sampler": "ddim", "clip_range": 5e-3, "num_substeps": 5}),
     "op_grpo_unclipped_term": ("op-grpo", {"importance_weight_placement": "unclipped_term"}),
-    # DiffusionNFT (issue 41): its own defaults (deterministic `ode` rollout from the old policy, nft_beta 1, decay_type
+    # DiffusionNFT (the DiffusionNFT runs): its own defaults (deterministic `ode` rollout from the old policy, nft_beta 1, decay_type
     # 1, 9 of 10 timesteps), CFG-free in rollout, update and evaluation; each sample its own noise (with a
     # deterministic sampler shared noise would make a group one image). BASE's beta 0 replaces the reference's 1e-4
     # KL weight, as for every method. `_cfg`: the same at BASE's guidance 3.0 (rollout, update and evaluation).

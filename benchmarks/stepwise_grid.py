@@ -1,8 +1,8 @@
-"""How well Stepwise-Flow-GRPO's intermediate reward predicts the outcome, per substep grid and T' (issue 37).
+"""How well Stepwise-Flow-GRPO's intermediate reward predicts the outcome, per substep grid and T' (the T' measurement).
 
 The intermediate reward r_k scores a clean-image estimate of the state x_k made by T' deterministic Euler steps
 from sigma_k to 0. Today's grid is linear in sigma (``substep_sigmas``): from the first state that is one substep
-sigma 1 -> 0.8 at T' = 5, 1 -> 0.5 at T' = 2. The suspect (issue 37): the rollout's own shifted schedule (sigma =
+sigma 1 -> 0.8 at T' = 5, 1 -> 0.5 at T' = 2. The suspect (the T' measurement): the rollout's own shifted schedule (sigma =
 s t / (1 + (s - 1) t), linear in t, s the scheduler's shift) takes smaller steps where the noise is high and might
 give a better estimate at the same cost. Both grids cost the same T' - 1 transformer calls per state.
 

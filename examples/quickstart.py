@@ -21,7 +21,7 @@ The README's measured numbers are :func:`readme_summary` of the committed run,
 ``benchmarks/results/quickstart/scores.json`` (``python examples/quickstart.py --summary FILE`` prints that
 sentence for any scores.json; tests/test_docs.py checks the README against the committed file), and
 :func:`readme_seeds_summary` of ``benchmarks/results/quickstart/seeds.json``, the quickstart over 5 seeds
-(``scripts/quickstart_seeds.py``). The setting was chosen by that measurement (docs/benchmarks.md, "The
+(``scripts/quickstart_seeds.py``). The setting was chosen by that measurement (docs/history.md, "The
 quickstart over seeds"): the earlier one (lr 2e-3, ``shapes_dense``, 20 iterations) lost strict accuracy on
 seed 3. Results are
 reproducible for a given seed and thread count on one machine kind; another thread count changes float summation
@@ -47,7 +47,7 @@ from trl_flow.rewards import get_reward
 from trl_flow.tasks import shapes
 
 #: Settings of every method (the trainers read those of their config's fields): the quickstart's measured setting
-#: (Flow-DPPO, lr 1e-3, 2 inner epochs; docs/benchmarks.md, "The quickstart over seeds").
+#: (Flow-DPPO, lr 1e-3, 2 inner epochs; docs/history.md, "The quickstart over seeds").
 SETTINGS = dict(
     overwrite_output_dir=True, height=32, width=32, num_inference_steps=10, num_generations=16, prompts_per_step=4,
     per_device_train_batch_size=32, learning_rate=1e-3, num_inner_epochs=2, clip_range=1e-3, beta=0.0,

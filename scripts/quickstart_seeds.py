@@ -1,4 +1,4 @@
-"""The quickstart over seeds: does its gain hold for every seed? (issue 37)
+"""The quickstart over seeds: does its gain hold for every seed? (the T' measurement)
 
     python scripts/quickstart_seeds.py --seeds 0 1 2 3 4              # the real quickstart per seed -> seeds.json
     python scripts/quickstart_seeds.py --curve --seeds 0 1 2 3 4 --steps 30 --eval_at 10 15 20 25 30 \\

@@ -1,4 +1,4 @@
-"""The public adapter API (issue 39): a family added from outside the package trains with an exported trainer,
+"""The public adapter API: a family added from outside the package trains with an exported trainer,
 through ``register_adapter`` or a ``trl_flow.adapters`` entry point; bad registrations fail clearly; a broken
 plug-in warns without breaking the built-in families; every code block of docs/adding_a_model.md runs.
 

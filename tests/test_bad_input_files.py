@@ -1,4 +1,4 @@
-"""Bad prompt files, recipes and flags (issue 36, item 7 and "bad input that fails late or unclearly"): each is
+"""Bad prompt files, recipes and flags ("bad input that fails late or unclearly"): each is
 one line naming the file / line / field and the fix, raised before the pipeline is loaded, through every entry
 point (``trl_flow.data.load_prompts``, ``trl-flow``, ``examples/train.py``, the trainer's constructor)."""
 

@@ -221,7 +221,7 @@ def test_registered_reward_names_resolve_to_built_rewards():
     assert resolve_reward("trl_flow.tasks.shapes:shapes_strict_reward") is shapes.shapes_strict_reward
 
 
-# ------------------------------------------------------------------ errors a user can act on (issue 19, item 2)
+# ------------------------------------------------------------------ errors a user can act on
 def _one_error_line(capsys) -> str:
     err = capsys.readouterr().err
     assert "Traceback" not in err and "usage:" not in err, err
@@ -321,7 +321,7 @@ def test_runtime_failures_are_one_line_and_keep_the_traceback_on_request(monkeyp
         cli.main(["grpo"])
 
 
-# ----------------------------------------------------------------------------------- threads (issue 19, item 6)
+# ----------------------------------------------------------------------------------- threads
 def test_num_threads_default_is_one_unless_omp_num_threads_or_the_flag_says_otherwise(capsys):
     assert cli.resolve_num_threads(None, {}) == 1
     assert cli.resolve_num_threads(None, {"OMP_NUM_THREADS": "4"}) == 4

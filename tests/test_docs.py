@@ -341,7 +341,7 @@ def test_results_page_statistics():
     assert page.verdict([down, level]) == "the opposite on 1 of 2"
     assert page.verdict([level, level]) == "within the noise"
     assert page.verdict([]) == "not measured yet"
-    # per panel: a panel that cannot be compared never hides one that can (issue 37's Stepwise CPU row)
+    # per panel: a panel that cannot be compared never hides one that can (the T' measurement's Stepwise CPU row)
     machines = ("runs of different or unrecorded machines: CPU not compared", None)
     one_seed = ("418 (1 seed) vs 452 +- 56 (0.92x)", None)
     where = ("tier2", "tier2b")
@@ -667,7 +667,7 @@ def _op_described_form_rows(folder: str, cpu: bool) -> list[tuple[str, dict, dic
 
 def test_op_grpo_described_form_table_is_the_committed_summary():
     """docs/op_grpo.md's described-form table (tier 2, three rates) is benchmarks/results/shapes_tier2_op/summary.json:
-    final score and Welch t, iterations to the target, KL to the base and its t, off-policy clip fraction (issue 38)."""
+    final score and Welch t, iterations to the target, KL to the base and its t, off-policy clip fraction (the replay-share change)."""
     docs = open(os.path.join(ROOT, "docs", "op_grpo.md")).read()
     for row, r, r_kl in _op_described_form_rows("shapes_tier2_op", cpu=False):
         assert row in docs, row
@@ -676,7 +676,7 @@ def test_op_grpo_described_form_table_is_the_committed_summary():
 
 
 def test_op_grpo_sparse_tier_table_is_the_committed_summary():
-    """docs/op_grpo.md's sparse-tier table and its reading (issue 38) are benchmarks/results/shapes_sparse/summary.json:
+    """docs/op_grpo.md's sparse-tier table and its reading (the replay-share change) are benchmarks/results/shapes_sparse/summary.json:
     the rows (with CPU-seconds to the target: one machine), the target and Flow-GRPO's gain, the cost per iteration."""
     import statistics as st
 
@@ -696,7 +696,7 @@ def test_op_grpo_sparse_tier_table_is_the_committed_summary():
 
 
 def test_stepwise_substeps_table_is_the_committed_summaries():
-    """docs/stepwise_flow_grpo.md's T' table (issue 37: the default T' = 2 rests on it) quotes tier 2's committed
+    """docs/stepwise_flow_grpo.md's T' table (the T' measurement: the default T' = 2 rests on it) quotes tier 2's committed
     summaries: final strict and Welch t against Flow-GRPO on sets A and B (3 seeds a row), CPU per iteration and CPU
     to the target against Flow-GRPO's on set B (one machine), and no row separates from Flow-GRPO or T' = 5."""
     from trl_flow import StepwiseFlowGRPOConfig
@@ -771,7 +771,7 @@ def test_sparse_tier_gains_in_benchmarks_md_are_the_committed_summary():
 
 
 def test_readme_op_grpo_verdict_is_the_committed_summaries():
-    """README's OP-GRPO sentence (issue 38): the KL range over both tiers and three rates, and no final score
+    """README's OP-GRPO sentence (the replay-share change): the KL range over both tiers and three rates, and no final score
     separating, from shapes_tier2_op and shapes_sparse."""
     flat = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
     ratios = []
@@ -784,7 +784,7 @@ def test_readme_op_grpo_verdict_is_the_committed_summaries():
 
 
 def test_op_grpo_ablation_tables_are_the_committed_summaries():
-    """docs/op_grpo.md's two ablation tables (issue 38: tier 2 set A and the sparse tier, lr 1e-3) are
+    """docs/op_grpo.md's two ablation tables (the replay-share change: tier 2 set A and the sparse tier, lr 1e-3) are
     results_page.ablation_table of the committed results, row for row: every committed ablation, its seeds, final
     strict, Welch t against the described form, KL to the base and off-policy clip fraction; the sentences quoting
     the per-step ratio's clip multiple are the committed means; the ablations whose final score separates are named
@@ -859,7 +859,7 @@ def _reach_cell(page, m) -> str:
 
 
 def test_diffusion_nft_numbers_are_the_committed_results():
-    """docs/diffusion_nft.md's CFG-free table (issue 41: 3 seeds at 3 rates, beside Flow-GRPO with CFG, iterations to
+    """docs/diffusion_nft.md's CFG-free table (the DiffusionNFT runs: 3 seeds at 3 rates, beside Flow-GRPO with CFG, iterations to
     Flow-GRPO's absolute target) and its t values are what results_page's "nft" panel and
     benchmarks/results/shapes_tier2_nft/results.json give; the README's trainer row quotes the same means."""
     page = _results_page()

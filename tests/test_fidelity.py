@@ -1,4 +1,4 @@
-"""Fidelity to the papers and the released code (issue 16): where OP-GRPO's importance weight enters the clipped
+"""Fidelity to the papers and the released code (the kernel measurement): where OP-GRPO's importance weight enters the clipped
 objective, Flow-DPPO's defaults from its released code, and defaults resolved where they are used (never stored in
 ``__post_init__``, so ``dataclasses.replace`` and recipe overrides keep meaning "the default")."""
 
@@ -118,7 +118,7 @@ def test_replace_keeps_default_meaning_default():
     assert c.kl_mask_delta is None and c.resolved_kl_mask_delta == DEFAULT_KL_MASK_DELTA
     explicit = dataclasses.replace(FlowDPPOConfig(kl_mask_delta=3e-6), sampler="cps")
     assert explicit.resolved_kl_mask_delta == 3e-6
-    # truncation_fraction 0.1 (issue 38; was K // 2): the last ceil(0.1 (K - 1)) of the K - 1 trained steps regenerated
+    # truncation_fraction 0.1 (the replay-share change; was K // 2): the last ceil(0.1 (K - 1)) of the K - 1 trained steps regenerated
     o = OPGRPOConfig(num_inference_steps=10)
     assert o.truncation_step is None and o.resolved_truncation_step == 8
     o6 = dataclasses.replace(o, num_inference_steps=6)

@@ -1,4 +1,4 @@
-"""What a new user hits first (issue 19): a second run never silently replaces the first, resume and save faults,
+"""What a new user hits first: a second run never silently replaces the first, resume and save faults,
 strict-JSON logs, rewards beyond float32, byte-identical LoRA files across fresh processes."""
 
 from __future__ import annotations

@@ -209,7 +209,7 @@ def test_at_g4_both_descriptions_hold_one_buffered_in_every_group(tmp_path):
 
 
 def test_group_unit_replays_one_trajectory_in_a_share_of_groups(tmp_path):
-    # replay_unit="group" (the form before issue 38): off_policy_fraction is the share of GROUPS, one buffered
+    # replay_unit="group" (the form before the replay-share change): off_policy_fraction is the share of GROUPS, one buffered
     # trajectory each, one buffer entry per prompt
     P, G = 4, 3
     tr = make_trainer(tmp_path, prompts_per_step=P, num_generations=G, replay_unit="group", off_policy_fraction=0.5)
@@ -505,7 +505,7 @@ def test_bad_config_raises_naming_field(tmp_path, kwargs, field):
 
 
 def test_config_defaults(tmp_path):
-    # issue 38: the described form (a 25% share of the samples; only the late tail regenerated). Before it the
+    # the replay-share change: the described form (a 25% share of the samples; only the late tail regenerated). Before it the
     # defaults were k_off = K // 2 = 5 and a 25% share of the groups.
     cfg = OPGRPOConfig(output_dir=str(tmp_path), num_inference_steps=10)
     assert cfg.resolved_truncation_step == 8 and cfg.off_policy_fraction == 0.25
@@ -605,7 +605,7 @@ def test_lora_init_is_a_function_of_config_seed(tmp_path):
     assert all(torch.equal(pa[n], pb[n]) for n in pa)
 
 
-# ------------------------------------------------------------------- issue 38: the described form by default
+# ------------------------------------------------------------------- the replay-share change: the described form by default
 def defaults_run(tmp_path, G):
     """A 2-iteration run of OPGRPOConfig()'s defaults, only the sizes changed to fit the tiny pipeline."""
     cfg = OPGRPOConfig(output_dir=str(tmp_path), max_steps=2, num_generations=G, prompts_per_step=2, height=32,

@@ -1,4 +1,4 @@
-"""What a run leaves on disk when things go wrong at the end or around it (issue 36): a Hub outage after training,
+"""What a run leaves on disk when things go wrong at the end or around it: a Hub outage after training,
 resuming an older checkpoint, an evaluation failure at a save step, SIGTERM / a second Ctrl-C / a full disk during
 the final save or a checkpoint, overwrite_output_dir's deletions, and two runs in one output_dir."""
 

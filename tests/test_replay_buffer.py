@@ -313,7 +313,7 @@ def test_push_to_hub_calls_datasets_with_repo_id():
     assert isinstance(ds_arg, datasets.Dataset) and len(ds_arg) == 3
 
 
-# ------------------------------------------------------------------------- several entries per prompt (issue 38)
+# ------------------------------------------------------------------------- several entries per prompt (the replay-share change)
 def test_per_prompt_keeps_the_best_distinct_trajectories_of_a_prompt():
     buf = ReplayBuffer(capacity=8, decay=0.0, per_prompt=3)
     for seed, reward in enumerate([1.0, 3.0, 2.0]):
@@ -392,7 +392,7 @@ def test_per_prompt_round_trip(tmp_path):
 
 
 def _as_format_1(path):
-    """Rewrite a saved one-entry-per-prompt buffer's metadata as trl_flow wrote it before issue 38."""
+    """Rewrite a saved one-entry-per-prompt buffer's metadata as trl_flow wrote it before the replay-share change."""
     info_file = path / "dataset_info.json"
     info = json.loads(info_file.read_text())
     meta = json.loads(info["description"])

@@ -1,4 +1,4 @@
-"""Rewards that hang and a reward server under load (issue 36): ``reward_timeout`` turns a hung reward into a
+"""Rewards that hang and a reward server under load: ``reward_timeout`` turns a hung reward into a
 RewardError naming it, before any update or save; a hung reward never keeps the process alive (after the error,
 or after two SIGTERMs); the reward server caps the decoded pixels of a request before decoding; the remote reward's
 timeout / retries / backoff can be set from the command line."""

@@ -292,13 +292,13 @@ class OPGRPOTrainer(FlowGRPOTrainer):
         k_old = saved.get("truncation_step")
         if cfg.replay_unit != "group" or k_old != cfg.resolved_truncation_step:
             raise ValueError(
-                f"resume_from_checkpoint: {source} has no `{SEMANTICS_MARKER}`: it was written before issue 38, when "
+                f"resume_from_checkpoint: {source} has no `{SEMANTICS_MARKER}`: it was written before the replay-share change, when "
                 f"off_policy_fraction={saved.get('off_policy_fraction')} meant the share of groups replaying one "
                 f"trajectory each and the truncation step was {k_old} (now off_policy_fraction is the share of "
                 f"samples and the default truncation regenerates only the late tail). To continue that run "
                 f"unchanged pass replay_unit=group truncation_step={k_old}; for the new meaning start a new run in "
                 "another output_dir")
-        self.accelerator.print(f"{source}: written before issue 38; resumed under the old meaning, as asked "
+        self.accelerator.print(f"{source}: written before the replay-share change; resumed under the old meaning, as asked "
                                f"(replay_unit=group, truncation_step={k_old})")
 
     def save_extra_state(self, path):

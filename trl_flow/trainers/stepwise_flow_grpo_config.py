@@ -32,7 +32,7 @@ class StepwiseFlowGRPOConfig(FlowGRPOConfig):
         "setting: the gains of a group then start from the same state)."))
     num_substeps: int = field(default=2, metadata=meta("notice",
         "T': deterministic Euler steps of the clean-image estimate at every state, from its sigma to 0 on a grid "
-        "linear in sigma. Default 2, chosen by measurement (docs/stepwise_flow_grpo.md, issue 37): on the shapes "
+        "linear in sigma. Default 2, chosen by measurement (docs/stepwise_flow_grpo.md, the T' measurement): on the shapes "
         "benchmark's tier 2, T' = 2, 3 and 5 end within the seed noise of each other on both prompt sets, and T' = 2 "
         "costs about 1.2x a Flow-GRPO iteration against 2.4x at 5. The paper reports its results robust to T' in {2, "
         "5, 8} and uses 5: set 5 to reproduce it (the sd35m_stepwise_* recipes do). 1 is the one-step (Tweedie) "
