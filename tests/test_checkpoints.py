@@ -19,6 +19,7 @@ import torch
 from conftest import PROMPTS, brightness
 
 from trl_flow.trainers import checkpoints
+from trl_flow.trainers.interrupts import InterruptGuard
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -159,8 +160,8 @@ def _signal_during_iteration(sig, times=1):
         calls["n"] += 1
         if calls["n"] == 3:  # 1: the constructor's check, 2: iteration 1, 3: iteration 2
             for i in range(times):
-                if i:  # a second press, not a burst: two kill()s of one signal back to back may reach the process
-                    time.sleep(0.3)  # as one (POSIX merges a pending standard signal), wherever the reward runs
+                if i:  # a second press, not a copy of the first (copies within COALESCE_S count once)
+                    time.sleep(InterruptGuard.COALESCE_S + 0.3)
                 os.kill(os.getpid(), sig)
         return brightness(images, prompts)
 

@@ -1,0 +1,130 @@
+"""What the schedulers people run on do to a run, and that nothing is lost (docs/reliability.md, "Under a
+scheduler"): one SIGTERM delivered several times (the process's own and the launcher's forward) counts once; a
+SIGTERM writes the last completed iteration within seconds, before a short grace period ends in SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import PROMPTS, brightness
+from test_multiprocess_stop import HANG, ROOT, _free_port, _output, _popen, _wait_until
+
+from trl_flow.trainers import checkpoints
+
+
+def _ckpts(out) -> list[str]:
+    return sorted(n for n in os.listdir(out) if n.startswith("checkpoint-"))
+
+
+def _lora(trainer):
+    return {n: p.detach().clone() for n, p in trainer.pipe.transformer.named_parameters() if "lora_" in n}
+
+
+# ------------------------------------------------------------------------------- one signal, several copies
+def _sigterm_copies_in_iteration(at_call: int, copies: int, gap: float = 0.05):
+    """A reward that sends ``copies`` SIGTERMs ``gap`` s apart to this process in its ``at_call``-th call (1: the
+    constructor's check, 2: iteration 1, ...): what a scheduler's SIGTERM plus the launcher's forward look like."""
+    calls = {"n": 0}
+
+    def reward(images, prompts, **kw):
+        calls["n"] += 1
+        if calls["n"] == at_call:
+            for i in range(copies):
+                if i:
+                    time.sleep(gap)
+                os.kill(os.getpid(), signal.SIGTERM)
+        return brightness(images, prompts)
+
+    return reward
+
+
+def test_copies_of_one_sigterm_count_once_the_iteration_is_finished_and_saved(make_trainer, tmp_path):
+    """Two deliveries 50 ms apart (the process's own SIGTERM and the launcher's forward): the iteration is
+    finished and saved, exit status 143; before, the second copy meant "stop now" and nothing was saved."""
+    out = tmp_path / "out"
+    tr = make_trainer(rewards=[_sigterm_copies_in_iteration(3, copies=2)], max_steps=4, save_steps=0)
+    with pytest.raises(SystemExit) as info:
+        tr.train()
+    assert info.value.code == 128 + signal.SIGTERM
+    assert tr.state.global_step == 2
+    assert _ckpts(out) == ["checkpoint-2"]
+    checkpoints.verify_files(checkpoints.read_marker(str(out / "checkpoint-2")))
+
+
+# ------------------------------------------------------------------------------- 2 processes, all signalled
+CLUSTER_REWARD = '''
+import os, time
+
+calls = 0
+
+def slow_reward(images, prompts, **kwargs):
+    """brightness; iteration STOP_TEST_ITERATION takes STOP_TEST_SLEEP s longer (`started-<rank>` holds the pid)."""
+    global calls
+    calls += 1
+    if calls == 1 + int(os.environ["STOP_TEST_ITERATION"]):  # 1: the constructor's check
+        rank, where = os.environ["RANK"], os.environ["STOP_TEST_DIR"]
+        with open(os.path.join(where, f"started-{rank}"), "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(float(os.environ["STOP_TEST_SLEEP"]))
+        open(os.path.join(where, f"finished-{rank}"), "w").close()
+    return images.mean(dim=(1, 2, 3)).tolist()
+'''
+
+
+def _cluster_run(tmp_path, launcher: str, iteration: int, sleep: float, **env_extra):
+    """A 2-process run; while both processes are in iteration ``iteration`` (which takes ``sleep`` s more) every
+    process -- the launcher and both workers -- gets SIGTERM at once, as from Slurm (time limit, scancel) or
+    systemd. Returns (launcher process, markers folder, output folder, seconds from the signal to the exit)."""
+    (tmp_path / "cluster_rewards.py").write_text(CLUSTER_REWARD)
+    markers, out = tmp_path / "markers", tmp_path / "out"
+    markers.mkdir()
+    env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+               STOP_TEST_DIR=str(markers), STOP_TEST_SLEEP=str(sleep), STOP_TEST_ITERATION=str(iteration),
+               PYTHONPATH=os.pathsep.join([ROOT, str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    env.pop("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", None)
+    env.update(env_extra)
+    args = ["--config", "shapes_flow_grpo", "--reward_funcs", "cluster_rewards:slow_reward", "--max_steps", "3",
+            "--eval_steps", "0", "--save_steps", "0", "--prompts_per_step", "2", "--num_generations", "2",
+            "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1", "--disable_tqdm", "true",
+            "--output_dir", str(out)]
+    port = str(_free_port())
+    if launcher == "trl-flow":
+        cmd = [sys.executable, "-m", "trl_flow.cli", "grpo", "--accelerate_config", "multi_gpu", "--num_processes",
+               "2", "--main_process_port", port, *args]
+    else:  # a direct `accelerate launch`
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--main_process_port", port, "-m", "trl_flow.cli", "grpo", *args]
+    proc = _popen(cmd, env, tmp_path, "launcher")
+    started = [markers / f"started-{r}" for r in (0, 1)]
+    _wait_until(lambda: all(p.exists() and p.read_text() for p in started), [proc], f"iteration {iteration}")
+    pids = [proc.pid] + [int(p.read_text()) for p in started]
+    t0 = time.monotonic()
+    for pid in pids:  # everything at once
+        os.kill(pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=HANG)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"the launcher did not stop: {_output(proc)[-3000:]}")
+    return proc, markers, out, time.monotonic() - t0
+
+
+def test_sigterm_to_every_process_of_a_2_process_run_finishes_and_saves_the_iteration(tmp_path):
+    """Slurm / systemd signal every process: each worker gets its own SIGTERM and the launcher's forward a few
+    ms later. Both count once: the iteration is finished and saved as checkpoint-1, exit 143 (before: each worker
+    took the forward as "stop now" and exited 3-4 s later with nothing saved)."""
+    proc, markers, out, _ = _cluster_run(tmp_path, "trl-flow", iteration=1, sleep=5)
+    log = _output(proc)
+    assert proc.returncode == 143, log[-3000:]
+    assert all((markers / f"finished-{r}").exists() for r in (0, 1)), log[-3000:]
+    assert "after iteration 1; stopping" in log, log[-3000:]
+    assert _ckpts(out) == ["checkpoint-1"]
+    checkpoints.verify_files(checkpoints.read_marker(str(out / "checkpoint-1")))
+    assert [json.loads(line)["step"] for line in open(out / "log_history.jsonl")] == [1]
