@@ -128,3 +128,58 @@ def test_sigterm_to_every_process_of_a_2_process_run_finishes_and_saves_the_iter
     assert _ckpts(out) == ["checkpoint-1"]
     checkpoints.verify_files(checkpoints.read_marker(str(out / "checkpoint-1")))
     assert [json.loads(line)["step"] for line in open(out / "log_history.jsonl")] == [1]
+
+
+# ------------------------------------------------------------------------------- preemption checkpoint
+def test_sigterm_writes_the_last_completed_iteration_within_seconds_and_it_resumes_exactly(make_trainer, tmp_path):
+    """SIGTERM in iteration 3: checkpoint-2 (not a save step) is complete within seconds while iteration 3 is still
+    running (a scheduler's SIGKILL may come before its end); resumed, it ends bit-identical to an uninterrupted run.
+    The stop's own checkpoint-3 then supersedes it. Before, nothing was written until the iteration's end."""
+    out, kept = tmp_path / "out", tmp_path / "kept"
+    seen = {}
+
+    def reward(images, prompts, **kw):
+        reward.calls += 1
+        if reward.calls == 4:  # 1: the constructor's check, 2-3: iterations 1-2, 4: iteration 3
+            t0 = time.monotonic()
+            os.kill(os.getpid(), signal.SIGTERM)
+            while time.monotonic() - t0 < 30 and checkpoints.read_marker(str(out / "checkpoint-2")) is None:
+                time.sleep(0.02)
+            seen["seconds"] = time.monotonic() - t0
+            if (out / "checkpoint-2").exists():
+                import shutil
+
+                shutil.copytree(out / "checkpoint-2", kept / "checkpoint-2")  # what a SIGKILL now would leave
+        return brightness(images, prompts)
+
+    reward.calls = 0
+    tr = make_trainer(rewards=[reward], max_steps=4, save_steps=0, ema_decay=0.5)
+    with pytest.raises(SystemExit) as info:
+        tr.train()
+    assert info.value.code == 128 + signal.SIGTERM
+    assert seen["seconds"] < 10, seen
+    marker = json.load(open(kept / "checkpoint-2" / checkpoints.COMPLETE_NAME))
+    assert marker["step"] == 2 and marker["preemption"] is True
+    assert _ckpts(out) == ["checkpoint-3"]  # the stop saved iteration 3; the preemption checkpoint is superseded
+
+    resumed = make_trainer(max_steps=3, save_steps=0, ema_decay=0.5, output_dir=str(kept))
+    resumed.train(resume_from_checkpoint=True)
+    ref = make_trainer(max_steps=3, save_steps=0, ema_decay=0.5, output_dir=str(tmp_path / "ref"))
+    ref.train()
+    got, want = _lora(resumed), _lora(ref)
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+    assert [h["reward"] for h in resumed.state.log_history] == [h["reward"] for h in ref.state.log_history]
+
+
+def test_a_grace_shorter_than_the_iteration_still_leaves_the_last_completed_one(tmp_path):
+    """A direct `accelerate launch` with a 3 s shutdown timeout (torch's is 30 s, as Slurm's KillWait), SIGTERM to
+    every process during a 20 s iteration 2: the launcher SIGKILLs both workers, and checkpoint-1 is complete on
+    disk (before: nothing was saved)."""
+    proc, markers, out, _ = _cluster_run(tmp_path, "accelerate", iteration=2, sleep=20,
+                                         TORCH_ELASTIC_SHUTDOWN_TIMEOUT="3")
+    log = _output(proc)
+    assert proc.returncode == 143, log[-3000:]
+    assert not any((markers / f"finished-{r}").exists() for r in (0, 1))  # killed inside iteration 2
+    assert _ckpts(out) == ["checkpoint-1"], log[-3000:]
+    checkpoints.verify_files(checkpoints.read_marker(str(out / "checkpoint-1")))
+    assert "SIGTERM: saved" in log and "(iteration 1, the last completed one)" in log

@@ -17,6 +17,7 @@ from ..rewards import RewardError
 from . import checkpoints
 from . import output_dir as run_dir
 from .interrupts import InterruptGuard
+from .preemption import PreemptionCheckpoint
 
 
 def train(trainer, resume_from_checkpoint=None):
@@ -52,7 +53,9 @@ def _iterate(trainer) -> None:
         _evaluate(trainer, start)
     # SIGINT / SIGTERM are deferred to the end of the iteration, which is then saved: a checkpoint never holds
     # part of an iteration. Anything raised mid-iteration (a failing reward, a second Ctrl-C) saves nothing.
-    guard = InterruptGuard(acc.print)
+    # A SIGTERM also writes the last completed iteration at once (the scheduler may SIGKILL before its end).
+    preempt = PreemptionCheckpoint(trainer)
+    guard = InterruptGuard(acc.print, on_first_signal=preempt.on_signal)
     try:
         with guard:
             for step in range(start, cfg.max_steps):
@@ -73,6 +76,7 @@ def _iterate(trainer) -> None:
                     trainer.save_checkpoint()
                 if n == cfg.max_steps:
                     save_final(trainer)
+                preempt.record()
                 if _eval_due(cfg, n):
                     _evaluate(trainer, n)
                 signum = guard.stop_requested(acc)
@@ -82,7 +86,10 @@ def _iterate(trainer) -> None:
                             " (not pushed to the Hub)" if cfg.push_to_hub else "")
                         acc.print(f"Training finished ({n} iterations): {note}; stopping.")
                     else:
-                        note = f"saved {trainer.save_checkpoint()} after iteration {n}"
+                        preempt.wait()
+                        saved = trainer.save_checkpoint()
+                        preempt.drop_superseded(saved)
+                        note = f"saved {saved} after iteration {n}"
                         acc.print(f"{note[0].upper()}{note[1:]}; stopping.")
                     exc = guard.exception(signum)
                     raise (KeyboardInterrupt(note + "; " + _kept(trainer)) if isinstance(exc, KeyboardInterrupt)
