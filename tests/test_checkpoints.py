@@ -90,7 +90,7 @@ def test_missing_or_corrupted_file_is_named(make_trainer, tmp_path):
         make_trainer(max_steps=2).train(resume_from_checkpoint=str(ckpt))
 
 
-def test_runs_are_kept_apart_and_rotation_is_by_time_within_a_run(make_trainer, tmp_path, capsys):
+def test_runs_are_kept_apart_and_rotation_is_by_step_within_a_run(make_trainer, tmp_path, capsys):
     out = tmp_path / "out"
     a = make_trainer(max_steps=3, save_steps=1)
     a.train()
@@ -108,9 +108,10 @@ def test_runs_are_kept_apart_and_rotation_is_by_time_within_a_run(make_trainer, 
     assert _log_steps(out) == [1, 2]  # b's log only
     resumed = make_trainer(max_steps=3, seed=7)
     capsys.readouterr()
-    resumed.train(resume_from_checkpoint=True)  # newest by time: b's checkpoint-2, not a's checkpoint-3
-    assert "checkpoint-2 (step 2, run " + b.state.run_id in capsys.readouterr().out
-    assert resumed.state.run_id == b.state.run_id and resumed.state.global_step == 3
+    with pytest.warns(RuntimeWarning, match="holds checkpoints of 2 runs; resuming the highest step, checkpoint-3"):
+        resumed.train(resume_from_checkpoint=True)  # newest by step, never by the clock: a's checkpoint-3
+    assert "checkpoint-3 (step 3, run " + a.state.run_id in capsys.readouterr().out
+    assert resumed.state.run_id == a.state.run_id and resumed.state.global_step == 3
 
 
 def test_changed_settings_on_resume(make_trainer, tmp_path, capsys):

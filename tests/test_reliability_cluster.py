@@ -183,3 +183,41 @@ def test_a_grace_shorter_than_the_iteration_still_leaves_the_last_completed_one(
     assert _ckpts(out) == ["checkpoint-1"], log[-3000:]
     checkpoints.verify_files(checkpoints.read_marker(str(out / "checkpoint-1")))
     assert "SIGTERM: saved" in log and "(iteration 1, the last completed one)" in log
+
+
+# ------------------------------------------------------------------------------- clock skew
+class _SkewedClock:
+    """``time`` for checkpoints.py whose ``time()`` goes back ``back_s`` seconds at every call after ``after``
+    calls (a machine whose clock is behind the one that wrote the earlier checkpoints, or NTP setting it back)."""
+
+    def __init__(self, back_s: float, after: int = 0):
+        self.back_s, self.after, self.calls, self.base = back_s, after, 0, time.time()
+
+    def time(self) -> float:
+        self.calls += 1
+        return self.base - self.back_s * max(0, self.calls - self.after)
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
+def test_rotation_keeps_the_newest_steps_when_the_clock_goes_back(make_trainer, tmp_path, monkeypatch):
+    """An hour back at every save, save_total_limit=2: the two highest steps are kept (before: each new checkpoint
+    was the 'oldest' and was deleted by rotation at once)."""
+    monkeypatch.setattr(checkpoints, "time", _SkewedClock(3600))
+    make_trainer(max_steps=4, save_steps=1, save_total_limit=2).train()
+    assert _ckpts(tmp_path / "out") == ["checkpoint-3", "checkpoint-4"]
+
+
+def test_resume_true_takes_the_highest_step_when_the_clock_went_back(make_trainer, tmp_path, monkeypatch):
+    """The clock goes back 10 min after checkpoint-4 (checkpoints 5 and 6 look older): resume_from_checkpoint=True
+    continues from checkpoint-6 and sets nothing aside (before: it resumed checkpoint-4 and moved 5 and 6 into an
+    'abandoned branch')."""
+    out = tmp_path / "out"
+    monkeypatch.setattr(checkpoints, "time", _SkewedClock(600, after=4))
+    make_trainer(max_steps=6, save_steps=1).train()
+    tr = make_trainer(max_steps=7, save_steps=1)
+    tr.train(resume_from_checkpoint=True)
+    assert [h["step"] for h in tr.state.log_history] == list(range(1, 8))
+    assert _ckpts(out) == [f"checkpoint-{n}" for n in range(1, 8)]
+    assert not [n for n in os.listdir(out) if n.startswith(checkpoints.ABANDONED_PREFIX)]
