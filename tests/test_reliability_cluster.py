@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -221,3 +222,36 @@ def test_resume_true_takes_the_highest_step_when_the_clock_went_back(make_traine
     assert [h["step"] for h in tr.state.log_history] == list(range(1, 8))
     assert _ckpts(out) == [f"checkpoint-{n}" for n in range(1, 8)]
     assert not [n for n in os.listdir(out) if n.startswith(checkpoints.ABANDONED_PREFIX)]
+
+
+# ------------------------------------------------------------------------------- someone else's files
+def test_overwrite_refuses_a_base_model_folder_and_names_what_it_holds(make_trainer, fresh_pipe, tmp_path):
+    """output_dir = the base model's folder (a pipeline no trl_flow run wrote): refused even with
+    overwrite_output_dir, naming its components; nothing is deleted (before: transformer/, vae/, the text encoders,
+    tokenizers and scheduler were deleted)."""
+    base = tmp_path / "base"
+    fresh_pipe().save_pretrained(str(base))
+    before = sorted(os.listdir(base))
+    with pytest.raises(ValueError, match=r"holds a diffusers pipeline that no trl_flow run wrote \(model_index.json, "
+                                         r".*transformer/.*vae/.*not even with overwrite_output_dir"):
+        make_trainer(max_steps=1, output_dir=str(base), overwrite_output_dir=True).train()
+    assert sorted(n for n in os.listdir(base) if n != ".trl_flow.lock") == before
+
+
+def test_overwrite_lists_every_path_it_removes_before_removing_it(make_trainer, tmp_path, capsys):
+    """An earlier trl_flow run's saved pipeline, one component a symlink: the overwrite names each component folder
+    and the symlink before removing them (before: only model_index.json was named); the link's target is kept."""
+    out = tmp_path / "out"
+    make_trainer(finetune="full", max_steps=1).train()
+    target = tmp_path / "elsewhere"
+    shutil.move(str(out / "scheduler"), str(target))
+    os.symlink(target, out / "scheduler")
+    capsys.readouterr()
+    make_trainer(max_steps=1, overwrite_output_dir=True).train()
+    said = capsys.readouterr().out
+    line = next(ln for ln in said.splitlines() if ln.startswith("overwrite_output_dir: removing from"))
+    for name in ("model_index.json", "transformer/", "vae/", "text_encoder/", "tokenizer/",
+                 "scheduler (symlink, its target is kept)", "log_history.jsonl"):
+        assert name in line, (name, line)
+    assert said.index("overwrite_output_dir: removing from") < said.index("overwrite_output_dir: removed")
+    assert target.is_dir() and not (out / "transformer").exists()
