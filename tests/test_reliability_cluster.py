@@ -255,3 +255,51 @@ def test_overwrite_lists_every_path_it_removes_before_removing_it(make_trainer, 
         assert name in line, (name, line)
     assert said.index("overwrite_output_dir: removing from") < said.index("overwrite_output_dir: removed")
     assert target.is_dir() and not (out / "transformer").exists()
+
+
+# ------------------------------------------------------------------------------- disk full at the end
+def test_a_failed_final_save_writes_the_weights_to_a_fallback_folder_it_names(make_trainer, tmp_path, monkeypatch):
+    """The disk of output_dir is full at the final save: the weights go to $TRL_FLOW_RESCUE_DIR/<run> and the error
+    names it (before: from the command line every trained weight was lost with the process)."""
+    import errno
+
+    import safetensors.torch
+
+    out, rescue = tmp_path / "out", tmp_path / "rescue"
+    monkeypatch.setenv("TRL_FLOW_RESCUE_DIR", str(rescue))
+    real = safetensors.torch.save_file
+
+    def save_file(obj, path, *a, **k):
+        if str(path).startswith(str(out)):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(obj, path, *a, **k)
+
+    tr = make_trainer(max_steps=1)
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+    with pytest.raises(checkpoints.SaveError, match="written to the fallback folder") as info:
+        tr.train()
+    folder = next(p for p in rescue.iterdir())
+    assert str(folder) in str(info.value) and "is full" in str(info.value)
+    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    again = tr.save_model(str(tmp_path / "again"))  # the same weights, written normally
+    got, want = (safetensors.torch.load_file(os.path.join(d, checkpoints.LORA_WEIGHT_NAME)) for d in (folder, again))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_disk_too_small_for_the_weights_is_refused_at_the_start(make_trainer, tmp_path, monkeypatch):
+    """Free space below the final weights' size: refused before any compute, naming check_free_space (which goes
+    on); between that and the size of the weights plus two checkpoints: a warning."""
+    import collections
+
+    from trl_flow.trainers import final_save
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(final_save.shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 100, 100))
+    tr = make_trainer(max_steps=1)
+    tr.training_iteration = lambda step: pytest.fail("computed before the check")
+    with pytest.raises(ValueError, match="cannot hold the trained weights.*check_free_space=False"):
+        tr.train()
+    final, ckpt = final_save.expected_sizes(tr)
+    monkeypatch.setattr(final_save.shutil, "disk_usage", lambda p: usage(10**9, 0, final + ckpt))
+    with pytest.warns(RuntimeWarning, match="a save may fail for lack of space"):
+        make_trainer(max_steps=1, save_steps=1).train()

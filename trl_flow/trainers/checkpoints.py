@@ -66,7 +66,7 @@ HARMLESS_CHANGES = (
     "output_dir", "overwrite_output_dir", "run_name", "max_steps", "logging_steps", "log_images_steps", "report_to",
     "save_steps", "save_total_limit", "resume_from_checkpoint", "push_to_hub", "hub_model_id", "hub_private_repo",
     "disable_tqdm", "eval_steps", "eval_num_inference_steps", "eval_guidance_scale", "per_device_eval_batch_size",
-    "gradient_checkpointing", "offload", "per_device_reward_batch_size", "reward_timeout",
+    "gradient_checkpointing", "offload", "per_device_reward_batch_size", "reward_timeout", "check_free_space",
 )
 #: Optimizer settings that a resume applies explicitly to the restored optimizer and schedule.
 OPTIMIZER_FIELDS = ("learning_rate", "adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay", "lr_scheduler_type",

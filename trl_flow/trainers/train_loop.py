@@ -15,6 +15,7 @@ import os
 
 from ..rewards import RewardError
 from . import checkpoints
+from . import final_save
 from . import output_dir as run_dir
 from .interrupts import InterruptGuard
 from .preemption import PreemptionCheckpoint
@@ -25,6 +26,7 @@ def train(trainer, resume_from_checkpoint=None):
     cfg, acc = trainer.config, trainer.accelerator
     resume = resume_from_checkpoint if resume_from_checkpoint is not None else cfg.resume_from_checkpoint
     run_dir.check_writable(cfg.output_dir)
+    final_save.check_free_space(trainer)  # the final weights must fit (check_free_space=False goes on)
     with run_dir.run_lock(trainer):  # a second run in this output_dir is refused here
         run_dir.prepare(trainer, resume)  # resume, or refuse / (overwrite_output_dir) clear an earlier run's outputs
         if cfg.report_to:
@@ -135,10 +137,15 @@ def save_final(trainer) -> None:
     try:
         trainer.save_model(out)
     except checkpoints.SaveError as e:
+        rescued, failures = final_save.save_to_rescue_folder(trainer)
+        if rescued:
+            raise checkpoints.SaveError(
+                f"{e}. The trained weights were written to the fallback folder {rescued} instead (copy them into "
+                f"{out} once it has room); on disk, {_kept(trainer)}") from e.__cause__
         raise checkpoints.SaveError(
             f"{e}. The trained weights are still in this trainer's memory: make room, then call "
-            f"trainer.save_model() (from the command line they are lost when the process ends); on disk, "
-            f"{_kept(trainer)}") from e.__cause__
+            f"trainer.save_model() (from the command line they are lost when the process ends; the fallback "
+            f"folders failed too: {'; '.join(failures)}); on disk, {_kept(trainer)}") from e.__cause__
     except KeyboardInterrupt:
         raise _interrupted(trainer, f"interrupted while saving the final model: nothing of it was kept in {out} "
                                     "(the save was atomic)") from None
