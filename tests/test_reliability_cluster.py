@@ -303,3 +303,105 @@ def test_a_disk_too_small_for_the_weights_is_refused_at_the_start(make_trainer, 
     monkeypatch.setattr(final_save.shutil, "disk_usage", lambda p: usage(10**9, 0, final + ckpt))
     with pytest.warns(RuntimeWarning, match="a save may fail for lack of space"):
         make_trainer(max_steps=1, save_steps=1).train()
+
+
+# ------------------------------------------------------------------------------- a Hub that never answers
+@pytest.fixture
+def silent_hub():
+    """A server on 127.0.0.1 that accepts connections and never answers: its URL."""
+    import socket
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    held, done = [], threading.Event()
+
+    def accept():
+        server.settimeout(0.2)
+        while not done.is_set():
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                pass
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    done.set()
+    thread.join(5)
+    for conn in held:
+        conn.close()
+    server.close()
+
+
+def _bounded(fn, limit: float):
+    """``fn()`` in a daemon thread: its result or exception, or a test failure after ``limit`` s (a hang)."""
+    import threading
+
+    box = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001
+            box["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(limit)
+    if thread.is_alive():
+        pytest.fail(f"still waiting for the Hub after {limit} s")
+    return box
+
+
+def test_a_silent_hub_fails_the_access_check_at_build_within_the_timeout(silent_hub, tmp_path):
+    """HF_ENDPOINT = a server that never answers, `trl-flow grpo --push_to_hub true`: the token check fails after
+    TRL_FLOW_HUB_TIMEOUT (1 s) x 2 tries with a one-line error naming the endpoint, before any training (before:
+    whoami had no timeout and the command sat there)."""
+    env = dict(os.environ, HF_ENDPOINT=silent_hub, HF_TOKEN="hf_test_token", HF_HUB_OFFLINE="0",
+               TRL_FLOW_HUB_TIMEOUT="1", TRL_FLOW_HUB_RETRIES="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "trl_flow.cli", "grpo", "--config", "shapes_flow_grpo", "--max_steps", "1",
+           "--eval_steps", "0", "--push_to_hub", "true", "--output_dir", str(tmp_path / "out")]
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=90)
+    except subprocess.TimeoutExpired:
+        pytest.fail("trl-flow still waited for the Hub after 90 s")
+    said = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and time.monotonic() - t0 < 60, said[-2000:]
+    assert f"the Hub at {silent_hub} did not answer whoami (the token check) within 1 s (2 tries" in said, said[-2000:]
+    assert not (tmp_path / "out" / "log_history.jsonl").exists()  # nothing trained
+
+
+def test_a_silent_hub_at_the_end_is_an_error_naming_the_weights_and_an_upload_command(silent_hub, make_trainer,
+                                                                                      tmp_path, monkeypatch):
+    """The Hub stops answering after the build: the push after training fails within the limits instead of
+    hanging, naming the saved LoRA and an upload command listing only files that exist (here no card or grid: the
+    push failed before writing them; before, the command named them anyway)."""
+    import huggingface_hub.constants as constants
+
+    from trl_flow import hub
+
+    out = tmp_path / "out"
+    tr = make_trainer(max_steps=1)
+    tr.train()
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", silent_hub)
+    monkeypatch.setenv("HF_TOKEN", "hf_test_token")
+    monkeypatch.setenv("TRL_FLOW_HUB_TIMEOUT", "1")
+    monkeypatch.setenv("TRL_FLOW_HUB_RETRIES", "1")
+    box = _bounded(lambda: tr.push_to_hub(), 60)
+    said = str(box.get("error"))
+    assert isinstance(box.get("error"), RuntimeError), box
+    assert "did not answer whoami (the token check) within 1 s" in said
+    assert f"the trained model is saved in {out} (pytorch_lora_weights.safetensors" in said
+    assert "--include pytorch_lora_weights.safetensors" in said
+    assert "README.md" not in said and hub.GRID_PATH not in said
+    # create_repo hangs too (the token check passed): bounded as well
+    monkeypatch.setattr(hub, "_hub_access_error", lambda hint=True: None)
+    box = _bounded(lambda: tr.push_to_hub(), 60)
+    said = str(box.get("error"))
+    assert "did not answer create_repo(out) within 1 s" in said, said
+    assert "--include README.md" in said and "pytorch_lora_weights.safetensors" in said
