@@ -405,3 +405,25 @@ def test_a_silent_hub_at_the_end_is_an_error_naming_the_weights_and_an_upload_co
     said = str(box.get("error"))
     assert "did not answer create_repo(out) within 1 s" in said, said
     assert "--include README.md" in said and "pytorch_lora_weights.safetensors" in said
+
+
+# ------------------------------------------------------------------------------- resume_from_checkpoint
+def test_resume_true_on_a_fresh_folder_starts_a_new_run_with_one_line(make_trainer, tmp_path, capsys):
+    """The job script that always passes --resume_from_checkpoint True, first run: a new run, said in one line
+    (before: 'no complete checkpoint-* folder' and no hint)."""
+    tr = make_trainer(max_steps=1)
+    tr.train(resume_from_checkpoint=True)
+    assert tr.state.global_step == 1
+    assert "resume_from_checkpoint=True: no checkpoint in" in capsys.readouterr().out
+
+
+def test_a_bare_checkpoint_name_is_looked_up_in_output_dir(make_trainer, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "out"
+    make_trainer(max_steps=1, save_steps=1).train()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    tr = make_trainer(max_steps=2)
+    capsys.readouterr()
+    tr.train(resume_from_checkpoint="checkpoint-1")
+    assert f"Resuming from {out / 'checkpoint-1'} (step 1" in capsys.readouterr().out
+    assert [h["step"] for h in tr.state.log_history] == [1, 2]

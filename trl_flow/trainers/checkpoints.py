@@ -203,7 +203,7 @@ def resolve_resume(resume, output_dir: str, print_fn=print) -> CheckpointInfo:
                              + (f" (incomplete: {[os.path.basename(p) for p in incomplete]})" if incomplete else ""))
         raise ValueError(f"resume_from_checkpoint: no checkpoint in {output_dir} is intact ({'; '.join(errors)}); "
                          "start a new run (overwrite_output_dir=True) or restore the files")
-    path = str(resume)
+    path = in_output_dir(str(resume), output_dir)
     if not os.path.isdir(path):
         raise ValueError(f"resume_from_checkpoint={path!r}: not a folder; give a checkpoint-<N> folder, or "
                          "resume_from_checkpoint=True for the newest complete checkpoint in output_dir")
@@ -229,6 +229,21 @@ def _warn_other_runs(info: CheckpointInfo, complete: list[CheckpointInfo]) -> No
         warnings.warn(f"resume_from_checkpoint: {os.path.dirname(info.path)} holds checkpoints of {len(others) + 1} "
                       f"runs; resuming the highest step, {os.path.basename(info.path)} of run {info.run_id} (pass a "
                       "folder to pick another)", RuntimeWarning, stacklevel=4)
+
+
+def in_output_dir(path: str, output_dir: str) -> str:
+    """A relative ``resume_from_checkpoint`` that is no folder here but one inside ``output_dir`` (a bare
+    ``checkpoint-1``) means that one."""
+    inside = os.path.join(output_dir, path)
+    if not os.path.isdir(path) and not os.path.isabs(path) and os.path.isdir(inside):
+        return inside
+    return path
+
+
+def nothing_to_resume(resume, output_dir: str) -> bool:
+    """``resume_from_checkpoint=True`` where ``output_dir`` holds no complete checkpoint: the first run of a job
+    script that always passes it; it starts a new run."""
+    return normalize_resume(resume) is True and not find_checkpoints(output_dir)[0]
 
 
 def verify_files(info: CheckpointInfo) -> None:
