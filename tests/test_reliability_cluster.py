@@ -427,3 +427,27 @@ def test_a_bare_checkpoint_name_is_looked_up_in_output_dir(make_trainer, tmp_pat
     tr.train(resume_from_checkpoint="checkpoint-1")
     assert f"Resuming from {out / 'checkpoint-1'} (step 1" in capsys.readouterr().out
     assert [h["step"] for h in tr.state.log_history] == [1, 2]
+
+
+# ------------------------------------------------------------------------------- prompt files
+def test_json_and_csv_prompt_files_load(tmp_path):
+    """An existing .json / .csv prompt file loads (before: "Couldn't find any data file")."""
+    from trl_flow.data import load_prompts
+
+    (tmp_path / "p.json").write_text(json.dumps([{"prompt": "a cat", "n": 1}, {"prompt": "a dog", "n": 2}]))
+    (tmp_path / "p.csv").write_text("prompt,n\na cat,1\na dog,2\n")
+    for name in ("p.json", "p.csv"):
+        assert list(load_prompts(str(tmp_path / name))["prompt"]) == ["a cat", "a dog"], name
+    (tmp_path / "p.yaml").write_text("- a cat\n")
+    with pytest.raises(ValueError, match=r"p\.yaml: a prompt file must be \.txt .*\.jsonl .*\.json, \.csv"):
+        load_prompts(str(tmp_path / "p.yaml"))
+
+
+def test_an_integer_beyond_64_bits_in_a_jsonl_file_names_file_line_and_key(tmp_path):
+    from trl_flow.data import load_prompts
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a cat", "id": 1}\n{"prompt": "a dog", "id": 18446744073709551616}\n')
+    with pytest.raises(ValueError, match=r"p\.jsonl: line 2: key `id` holds 18446744073709551616, a whole number "
+                                         r"beyond 64 bits"):
+        load_prompts(str(path))
