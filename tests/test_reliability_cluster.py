@@ -451,3 +451,41 @@ def test_an_integer_beyond_64_bits_in_a_jsonl_file_names_file_line_and_key(tmp_p
     with pytest.raises(ValueError, match=r"p\.jsonl: line 2: key `id` holds 18446744073709551616, a whole number "
                                          r"beyond 64 bits"):
         load_prompts(str(path))
+
+
+# ------------------------------------------------------------------------------- command line
+def test_a_recipe_setting_a_field_twice_is_an_error_naming_both_lines(tmp_path):
+    from trl_flow import cli
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("trainer: grpo\nlearning_rate: 1.0e-3\nmax_steps: 2\nlearning_rate: 1.0e-4\n")
+    with pytest.raises(cli.CLIError, match=r"r\.yaml: line 4: `learning_rate` is set again \(first at line 2\)"):
+        cli.parse_args("grpo", ["--config", str(recipe)])
+
+
+def test_a_negative_number_in_exponent_form_is_a_flag_value(tmp_path):
+    """`--learning_rate -1e-4` reaches the field's own check, which names it (before: argparse's "expected one
+    argument")."""
+    from trl_flow import cli
+
+    with pytest.raises(cli.CLIError, match=r"learning_rate=-0\.0001: must be"):
+        cli.parse_args("grpo", ["--config", "shapes_flow_grpo", "--learning_rate", "-1e-4"])
+    parser = cli.make_parser("grpo")
+    assert cli.attach_negative_numbers(parser, ["--learning_rate", "-1e-4", "--reward_weights", "-1e-4", "2"]) == [
+        "--learning_rate=-1e-4", "--reward_weights", "-1e-4", "2"]  # a list flag keeps its values apart
+
+
+def test_ctrl_c_during_start_up_says_nothing_was_saved(tmp_path, monkeypatch, capsys):
+    """A KeyboardInterrupt while the model loads: the message says no checkpoint exists (before: it pointed to
+    'the newest complete checkpoint' in the output above, which there was none of)."""
+    from trl_flow import cli
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_load_pipeline", interrupted)
+    out = tmp_path / "out"
+    assert cli.main(["grpo", "--config", "shapes_flow_grpo", "--output_dir", str(out)]) == 130
+    said = capsys.readouterr().err
+    assert f"interrupted before training began; no checkpoint was saved in {out}" in said, said
+    assert "newest complete checkpoint" not in said
