@@ -489,3 +489,35 @@ def test_ctrl_c_during_start_up_says_nothing_was_saved(tmp_path, monkeypatch, ca
     said = capsys.readouterr().err
     assert f"interrupted before training began; no checkpoint was saved in {out}" in said, said
     assert "newest complete checkpoint" not in said
+
+
+def test_sigterm_to_one_worker_saves_and_the_launch_exits_143_with_a_summary(tmp_path):
+    """SIGTERM to rank 1 only (an OOM killer's neighbour, a per-process scheduler): both processes finish the
+    iteration and save checkpoint-1; `trl-flow --accelerate_config` then exits 143 with one line naming the
+    checkpoint (before: exit 1 with the launcher's ChildFailedError traceback and no summary)."""
+    (tmp_path / "cluster_rewards.py").write_text(CLUSTER_REWARD)
+    markers, out = tmp_path / "markers", tmp_path / "out"
+    markers.mkdir()
+    env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+               STOP_TEST_DIR=str(markers), STOP_TEST_SLEEP="4", STOP_TEST_ITERATION="1",
+               PYTHONPATH=os.pathsep.join([ROOT, str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "trl_flow.cli", "grpo", "--accelerate_config", "multi_gpu", "--num_processes", "2",
+           "--main_process_port", str(_free_port()), "--config", "shapes_flow_grpo", "--reward_funcs",
+           "cluster_rewards:slow_reward", "--max_steps", "3", "--eval_steps", "0", "--save_steps", "0",
+           "--prompts_per_step", "2", "--num_generations", "2", "--per_device_train_batch_size", "4",
+           "--gradient_accumulation_steps", "1", "--disable_tqdm", "true", "--output_dir", str(out)]
+    proc = _popen(cmd, env, tmp_path, "launcher")
+    started = markers / "started-1"
+    _wait_until(lambda: started.exists() and started.read_text(), [proc], "iteration 1")
+    os.kill(int(started.read_text()), signal.SIGTERM)
+    try:
+        proc.wait(timeout=HANG)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"the launcher did not stop: {_output(proc)[-3000:]}")
+    log = _output(proc)
+    assert proc.returncode == 143, log[-3000:]
+    assert _ckpts(out) == ["checkpoint-1"]
+    last = log.strip().splitlines()[-1]
+    assert "the processes stopped on SIGTERM (exit status 143); the newest complete checkpoint is" in last, last
+    assert "checkpoint-1" in last and "ChildFailedError" not in log

@@ -423,9 +423,40 @@ def _launch(command: str, argv: list[str], script_args: ScriptArguments, launch_
         except Exception as e:  # the launcher's own rendezvous (before any process starts) failed
             import torch.distributed as dist
 
+            stopped = stopped_by_signal(e)
+            if stopped is not None:  # a process was signalled (not the launcher): all saved and stopped
+                print(f"trl-flow {command}: {cli_form(stopped_note(stopped), _field_names(command))}",
+                      file=sys.stderr, flush=True)
+                raise SystemExit(stopped) from None
             if not isinstance(e, dist.DistError):
                 raise
             raise CLIError(_rendezvous_error(args, config_file, e)) from e
+
+
+def stopped_by_signal(error: BaseException) -> int | None:
+    """The exit status (130 / 143) when the launcher failed only because its processes stopped on a SIGINT /
+    SIGTERM sent to them (not to the launcher, which would exit by itself): every failure is that exit, or None."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    if not isinstance(error, ChildFailedError) or not error.failures:
+        return None
+    codes = set()
+    for failure in error.failures.values():
+        code = failure.exitcode
+        codes.add(128 - code if code < 0 else code)  # killed by signal n: -n
+    if len(codes) == 1 and codes <= {130, 143}:
+        return codes.pop()
+    return None
+
+
+def stopped_note(status: int) -> str:
+    """The summary of a launch whose processes stopped on a signal: which, and what is on disk."""
+    from .trainers import checkpoints
+
+    name = "SIGINT" if status == 130 else "SIGTERM"
+    out = _STARTED.get("output_dir")
+    kept = checkpoints.kept_note(out) if out else "see the output above"
+    return f"the processes stopped on {name} (exit status {status}); {kept}"
 
 
 def _rendezvous_error(args, config_file: str, error: Exception) -> str:
