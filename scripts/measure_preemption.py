@@ -111,13 +111,43 @@ def measure_once(model: str, delay: float, threads: int) -> dict:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def snapshot_cost(repeats: int = 20) -> dict:
+    """Milliseconds the per-iteration copy (preemption.take_snapshot) takes on the 6-layer SD3 after one iteration,
+    in this process (one torch thread)."""
+    import torch
+
+    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
+    from trl_flow.testing import tiny_sd3_pipeline
+    from trl_flow.trainers import preemption
+
+    torch.set_num_threads(1)
+    work = tempfile.mkdtemp(prefix="preempt-")
+    cfg = FlowGRPOConfig(output_dir=os.path.join(work, "out"), max_steps=1, num_generations=4, prompts_per_step=2,
+                         per_device_train_batch_size=8, height=64, width=64, max_sequence_length=16,
+                         num_inference_steps=10, guidance_scale=1.0, lora_r=16, lora_alpha=32, beta=0.0,
+                         disable_tqdm=True)
+    trainer = FlowGRPOTrainer(cfg, tiny_sd3_pipeline(num_layers=6, sample_size=64),
+                              [lambda images, prompts, **kw: images.mean(dim=(1, 2, 3))], train_dataset=["a cat"] * 2)
+    trainer.train()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        preemption.take_snapshot(trainer)
+        times.append((time.perf_counter() - t0) * 1e3)
+    shutil.rmtree(work, ignore_errors=True)
+    return {"model": "sd3-6", "snapshot_ms_median": statistics.median(times), "snapshot_ms_max": max(times)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", action="append", choices=["shapes", "sd3-6"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--delay", type=float, default=0.3, help="seconds into iteration 3 before the SIGTERM")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--snapshot-cost", action="store_true", help="also time the per-iteration copy (sd3-6)")
     args = ap.parse_args()
+    if args.snapshot_cost:
+        print(json.dumps(snapshot_cost()), flush=True)
     for model in args.model or ["shapes", "sd3-6"]:
         runs = [measure_once(model, args.delay, args.threads) for _ in range(args.repeats)]
         secs = [r["seconds"] for r in runs]
