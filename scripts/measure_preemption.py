@@ -54,7 +54,8 @@ def _complete(out: str) -> str | None:
     if not os.path.isdir(out):
         return None
     for name in sorted(os.listdir(out)):
-        if name.startswith("checkpoint-") and name[11:].isdigit() and os.path.isfile(os.path.join(out, name, "checkpoint_complete.json")):
+        marker = os.path.join(out, name, "checkpoint_complete.json")
+        if name.startswith("checkpoint-") and name[11:].isdigit() and os.path.isfile(marker):
             return name
     return None
 

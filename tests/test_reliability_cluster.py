@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from conftest import PROMPTS, brightness
+from conftest import brightness
 from test_multiprocess_stop import HANG, ROOT, _free_port, _output, _popen, _wait_until
 
 from trl_flow.trainers import checkpoints

@@ -12,10 +12,10 @@ Layout of ``output_dir/checkpoint-<step>`` (a folder appears under this name onl
 
 Saving writes into ``checkpoint-<step>.tmp`` and renames it when every file (and the marker, last) is on disk, so a
 kill at any moment leaves either the previous checkpoints untouched plus a ``.tmp`` folder, or the new complete one.
-Resume picks the newest complete checkpoint (by step, never by the clock), warns about and skips incomplete ones, verifies
-every file against the marker (an error names a missing or corrupted file), and compares the saved config with the
-current one (:func:`compare_configs`). Rotation (``save_total_limit``) deletes only complete checkpoints of the
-current run (the run id is stored in the marker), lowest step first.
+Resume picks the newest complete checkpoint (by step, never by the clock), warns about and skips incomplete ones,
+verifies every file against the marker (an error names a missing or corrupted file), and compares the saved config
+with the current one (:func:`compare_configs`). Rotation (``save_total_limit``) deletes only complete checkpoints of
+the current run (the run id is stored in the marker), lowest step first.
 
 Nothing here unpickles arbitrary objects: weights and EMA are safetensors, scheduler/trainer state and config JSON;
 accelerate's optimizer, RNG and grad-scaler files are read with ``torch.load(weights_only=True)``.

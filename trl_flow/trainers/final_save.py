@@ -66,9 +66,10 @@ def check_free_space(trainer) -> None:
                      "so the end of this run could not be saved; free space or choose another output_dir, or pass "
                      "check_free_space=False to go on anyway (nothing was computed yet)")
         elif free is not None and free < need:
+            ckpts = f" and two checkpoints of {_mib(ckpt)}" if cfg.save_steps else ""
             warnings.warn(f"output_dir={cfg.output_dir!r}: {where}; this run writes about {_mib(need)} (the final "
-                          f"weights {_mib(final)}" + (f" and two checkpoints of {_mib(ckpt)}" if cfg.save_steps else "")
-                          + "): a save may fail for lack of space", RuntimeWarning, stacklevel=3)
+                          f"weights {_mib(final)}{ckpts}): a save may fail for lack of space", RuntimeWarning,
+                          stacklevel=3)
     error = checkpoints.agree(acc, error)
     if error:
         raise ValueError(error)
