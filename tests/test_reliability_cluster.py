@@ -521,3 +521,14 @@ def test_sigterm_to_one_worker_saves_and_the_launch_exits_143_with_a_summary(tmp
     last = log.strip().splitlines()[-1]
     assert "the processes stopped on SIGTERM (exit status 143); the newest complete checkpoint is" in last, last
     assert "checkpoint-1" in last and "ChildFailedError" not in log
+
+
+def test_sigterm_says_when_no_preemption_checkpoint_can_be_kept(make_trainer, tmp_path, capsys):
+    """finetune="full" keeps no copy of the last completed iteration: a SIGTERM says so at once (before: only
+    "finishing this iteration"), and the iteration's end is saved as before."""
+    tr = make_trainer(rewards=[_sigterm_copies_in_iteration(3, copies=1)], finetune="full", max_steps=3)
+    with pytest.raises(SystemExit):
+        tr.train()
+    said = capsys.readouterr().out
+    assert "SIGTERM: no copy of the last completed iteration is kept for finetune='full'" in said, said
+    assert _ckpts(tmp_path / "out") == ["checkpoint-2"]

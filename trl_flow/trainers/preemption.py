@@ -177,7 +177,13 @@ class PreemptionCheckpoint:
 
     def on_signal(self, signum: int) -> None:
         """The first signal (watcher thread): write the last completed iteration now, and say so."""
-        if not self.enabled or signum not in self.SIGNALS:
+        if signum not in self.SIGNALS:
+            return
+        if self.reason is not None and self.trainer.accelerator.is_main_process:
+            print(f"{signal.Signals(signum).name}: no copy of the last completed iteration is kept for "
+                  f"{self.reason}: only the end of this iteration is saved (a kill before it loses the iteration).",
+                  flush=True)
+        if not self.enabled:
             return
         received = time.monotonic()
         self._thread_done.clear()
