@@ -532,3 +532,36 @@ def test_sigterm_says_when_no_preemption_checkpoint_can_be_kept(make_trainer, tm
     said = capsys.readouterr().out
     assert "SIGTERM: no copy of the last completed iteration is kept for finetune='full'" in said, said
     assert _ckpts(tmp_path / "out") == ["checkpoint-2"]
+
+
+def test_a_second_signal_lets_the_preemption_checkpoint_being_written_complete(make_trainer, tmp_path, monkeypatch):
+    """SIGTERM, then a deliberate second one while the preemption checkpoint is still being written (a slow disk):
+    the run stops at once, but only after that write completed, so the last completed iteration is on disk when
+    train() returns (before: the stop could end the process mid-write)."""
+    from trl_flow.trainers import interrupts, preemption
+
+    out = tmp_path / "out"
+    real = preemption.write_snapshot
+
+    def slow_write(trainer, snap):
+        time.sleep(interrupts.InterruptGuard.COALESCE_S + 2.0)
+        return real(trainer, snap)
+
+    monkeypatch.setattr(preemption, "write_snapshot", slow_write)
+
+    def reward(images, prompts, **kw):
+        reward.calls += 1
+        if reward.calls == 4:  # iteration 3
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(interrupts.InterruptGuard.COALESCE_S + 0.5)
+            os.kill(os.getpid(), signal.SIGTERM)  # stop now
+        return brightness(images, prompts)
+
+    reward.calls = 0
+    tr = make_trainer(rewards=[reward], max_steps=4, save_steps=0)
+    with pytest.raises(KeyboardInterrupt) as info:
+        tr.train()
+    assert f"the newest complete checkpoint is {out / 'checkpoint-2'}" in str(info.value)
+    marker = checkpoints.read_marker(str(out / "checkpoint-2"))
+    assert marker is not None and tr.state.global_step == 2
+    checkpoints.verify_files(marker)

@@ -60,7 +60,7 @@ class InterruptGuard:
     #: Copies of one signal that arrive within this many seconds of the first count once: a launcher (torchrun,
     #: ``accelerate launch``) forwards the SIGTERM that Slurm / systemd / Kubernetes also send to each process,
     #: a few milliseconds after the process's own copy. Only a signal later than this means "stop now".
-    COALESCE_S = 1.5
+    COALESCE_S = 2.0
     #: After a second signal, how long the main thread gets to raise ``KeyboardInterrupt`` and leave the guard
     #: before the watcher ends the process (it runs Python within microseconds unless blocked in native code).
     FORCE_EXIT_AFTER_S = 3.0
@@ -154,6 +154,7 @@ class _SignalWatcher:
         self._coalesce_s, self._on_first = coalesce_s, on_first
         #: signals seen, copies arriving within ``coalesce_s`` of the first counted once
         self.distinct = 0
+        self._on_first_thread: threading.Thread | None = None
         self._done = threading.Event()
         self._read, self._write = os.pipe()
         os.set_blocking(self._write, False)  # the C handler must never block on a full pipe
@@ -186,8 +187,9 @@ class _SignalWatcher:
         """Run the first-signal callback (the preemption checkpoint) in its own daemon thread, so that this one
         keeps counting signals meanwhile."""
         if self._on_first is not None:
-            threading.Thread(target=self._on_first, args=(signum,), name="trl_flow-preemption-save",
-                             daemon=True).start()
+            self._on_first_thread = threading.Thread(target=self._on_first, args=(signum,),
+                                                     name="trl_flow-preemption-save", daemon=True)
+            self._on_first_thread.start()
 
     def _second(self, signum: int) -> None:
         """Signals that arrive before the main thread runs its handler are merged into one call (e.g. two sent
@@ -201,7 +203,16 @@ class _SignalWatcher:
                 print(f"\n{signal.Signals(signum).name} received again and the process is blocked outside Python "
                       "(e.g. a collective waiting for a process that stopped, see ddp_timeout): exiting now without "
                       "saving; complete checkpoints are untouched.", file=sys.stderr, flush=True)
+                self.finish_first_signal_work()
                 os._exit(128 + signum)
+
+    #: How long a forced exit waits for the first signal's work (the preemption checkpoint being written) to end.
+    FIRST_WORK_WAIT_S = 10.0
+
+    def finish_first_signal_work(self) -> None:
+        """Let a preemption checkpoint that is being written complete (bounded) before the process ends."""
+        if self._on_first_thread is not None:
+            self._on_first_thread.join(self.FIRST_WORK_WAIT_S)
 
     def stop(self) -> None:
         self._done.set()

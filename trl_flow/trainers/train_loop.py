@@ -66,6 +66,7 @@ def _iterate(trainer) -> None:
                 except RewardError as e:
                     raise RewardError(f"iteration {step + 1}: {e}; {_kept(trainer)}") from e
                 except KeyboardInterrupt:
+                    preempt.wait(10.0)  # the message names the preemption checkpoint once it is complete
                     raise _interrupted(trainer, f"interrupted during iteration {step + 1}: its partial update is "
                                                 "discarded") from None
                 n = trainer.state.global_step = step + 1
@@ -99,6 +100,7 @@ def _iterate(trainer) -> None:
             if start >= cfg.max_steps:  # resumed at the end: nothing to iterate, the final model is still saved
                 save_final(trainer)
     finally:
+        preempt.wait(10.0)  # a preemption checkpoint being written completes even when "stop now" ends the loop
         bar.close()
 
 
