@@ -19,6 +19,7 @@ import torch
 from conftest import PROMPTS, brightness
 
 from trl_flow.engine import checkpoints
+from trl_flow.engine.interrupts import InterruptGuard
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -89,7 +90,7 @@ def test_missing_or_corrupted_file_is_named(make_trainer, tmp_path):
         make_trainer(max_steps=2).train(resume_from_checkpoint=str(ckpt))
 
 
-def test_runs_are_kept_apart_and_rotation_is_by_time_within_a_run(make_trainer, tmp_path, capsys):
+def test_runs_are_kept_apart_and_rotation_is_by_step_within_a_run(make_trainer, tmp_path, capsys):
     out = tmp_path / "out"
     a = make_trainer(max_steps=3, save_steps=1)
     a.train()
@@ -107,9 +108,10 @@ def test_runs_are_kept_apart_and_rotation_is_by_time_within_a_run(make_trainer, 
     assert _log_steps(out) == [1, 2]  # b's log only
     resumed = make_trainer(max_steps=3, seed=7)
     capsys.readouterr()
-    resumed.train(resume_from_checkpoint=True)  # newest by time: b's checkpoint-2, not a's checkpoint-3
-    assert "checkpoint-2 (step 2, run " + b.state.run_id in capsys.readouterr().out
-    assert resumed.state.run_id == b.state.run_id and resumed.state.global_step == 3
+    with pytest.warns(RuntimeWarning, match="holds checkpoints of 2 runs; resuming the highest step, checkpoint-3"):
+        resumed.train(resume_from_checkpoint=True)  # newest by step, never by the clock: a's checkpoint-3
+    assert "checkpoint-3 (step 3, run " + a.state.run_id in capsys.readouterr().out
+    assert resumed.state.run_id == a.state.run_id and resumed.state.global_step == 3
 
 
 def test_changed_settings_on_resume(make_trainer, tmp_path, capsys):
@@ -159,8 +161,8 @@ def _signal_during_iteration(sig, times=1):
         calls["n"] += 1
         if calls["n"] == 3:  # 1: the constructor's check, 2: iteration 1, 3: iteration 2
             for i in range(times):
-                if i:  # a second press, not a burst: two kill()s of one signal back to back may reach the process
-                    time.sleep(0.3)  # as one (POSIX merges a pending standard signal), wherever the reward runs
+                if i:  # a second press, not a copy of the first (copies within COALESCE_S count once)
+                    time.sleep(InterruptGuard.COALESCE_S + 0.3)
                 os.kill(os.getpid(), sig)
         return brightness(images, prompts)
 

@@ -20,6 +20,7 @@ import time
 import pytest
 
 from trl_flow import cli
+from trl_flow.engine.interrupts import InterruptGuard
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -201,7 +202,7 @@ def test_two_sigterms_end_a_process_blocked_in_a_collective_on_a_stopped_peer(tm
         survivor = procs[0]
         _wait_until(lambda: _blocked(survivor.pid), procs, "rank 0 blocked in the collective")
         survivor.send_signal(signal.SIGTERM)
-        time.sleep(0.5)  # two deliveries, not one pending signal
+        time.sleep(InterruptGuard.COALESCE_S + 0.5)  # a second signal, not a copy of the first
         survivor.send_signal(signal.SIGTERM)
         try:
             survivor.wait(timeout=120)

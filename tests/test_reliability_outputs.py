@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from conftest import PROMPTS, brightness, tiny_config
 
 from trl_flow import storage
 from trl_flow.engine import checkpoints
+from trl_flow.engine.interrupts import InterruptGuard
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -201,7 +203,9 @@ def _signal_in_save(pipe, *sigs, partial: bool = False):
     def save_pretrained(folder, **kw):
         if partial:
             pipe.vae.save_pretrained(os.path.join(folder, "vae"))
-        for sig in sigs:
+        for i, sig in enumerate(sigs):
+            if i:  # a second signal, not a copy of the first
+                time.sleep(InterruptGuard.COALESCE_S + 0.3)
             os.kill(os.getpid(), sig)
         return real(folder, **kw)
 

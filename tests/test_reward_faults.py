@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from trl_flow import FlowGRPOConfig
 from trl_flow.rewards import RewardError, compute_rewards
 from trl_flow.rewards.threads import DaemonPool
 from trl_flow.engine import checkpoints
+from trl_flow.engine.interrupts import InterruptGuard
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -193,6 +195,7 @@ def test_two_sigterms_end_a_run_whose_reward_hangs_in_a_worker(tmp_path):
     _wait_for_text(proc, log, "HANGING")
     proc.send_signal(signal.SIGTERM)
     _wait_for_text(proc, log, "SIGTERM received")  # deferred to the end of the iteration, which never comes
+    time.sleep(InterruptGuard.COALESCE_S + 0.3)  # a second signal, not a copy of the first
     proc.send_signal(signal.SIGTERM)  # stop now
     text = _ended(proc, log)
     assert "KeyboardInterrupt" in text and "DONE" not in text

@@ -199,8 +199,8 @@ def parse_args(command: str, argv: list[str]):
     ``--config`` takes a YAML file or the name of a shipped recipe; its keys must be fields. ``launch_args`` are
     the leftover options, allowed only with ``--accelerate_config`` and only if ``accelerate launch`` knows them.
     """
-    argv = list(argv)
     parser = make_parser(command)
+    argv = attach_negative_numbers(parser, list(argv))
     if "--config" in argv:
         i = argv.index("--config")
         if i + 1 >= len(argv):
@@ -237,6 +237,24 @@ def parse_args(command: str, argv: list[str]):
     return script_args, config, cli_rest
 
 
+_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|-inf|-nan", re.IGNORECASE)
+
+
+def attach_negative_numbers(parser, argv: list[str]) -> list[str]:
+    """``--learning_rate -1e-4`` as ``--learning_rate=-1e-4``: argparse takes a value like ``-1e-4`` (an exponent)
+    for an option and says "expected one argument". Only for flags taking one value."""
+    actions = parser._option_string_actions
+    out = []
+    for i, arg in enumerate(argv):
+        prev = out[-1] if out else None
+        if (prev and prev.startswith("--") and "=" not in prev and prev in actions and actions[prev].nargs is None
+                and _NUMBER.fullmatch(arg) and (i < 2 or argv[i - 2] != "--")):
+            out[-1] = f"{prev}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def _check_recipe(path: str) -> None:
     """A recipe must be UTF-8 YAML holding a mapping; else a one-line error naming the file, line and column."""
     import yaml
@@ -261,6 +279,29 @@ def _check_recipe(path: str) -> None:
     if not isinstance(config, dict):
         raise CLIError(f"--config {path}: expected a YAML mapping of `field: value` lines, got "
                        f"{type(config).__name__}")
+    _refuse_duplicate_keys(path, text)
+
+
+def _refuse_duplicate_keys(path: str, text: str) -> None:
+    """YAML keeps the last of two equal keys silently: a recipe that sets a field twice is an error naming both
+    lines."""
+    import yaml
+
+    todo = [yaml.compose(text, Loader=yaml.SafeLoader)]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, yaml.MappingNode):
+            seen = {}
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode):
+                    if key.value in seen:
+                        raise CLIError(f"--config {path}: line {key.start_mark.line + 1}: `{key.value}` is set again "
+                                       f"(first at line {seen[key.value]}); YAML would silently use the last value: "
+                                       "keep one")
+                    seen[key.value] = key.start_mark.line + 1
+                todo.append(value)
+        elif isinstance(node, yaml.SequenceNode):
+            todo.extend(node.value)
 
 
 # ---------------------------------------------------------------------------------------------- building
@@ -378,9 +419,40 @@ def _launch(command: str, argv: list[str], script_args: ScriptArguments, launch_
         except Exception as e:  # the launcher's own rendezvous (before any process starts) failed
             import torch.distributed as dist
 
+            stopped = stopped_by_signal(e)
+            if stopped is not None:  # a process was signalled (not the launcher): all saved and stopped
+                print(f"trl-flow {command}: {cli_form(stopped_note(stopped), _field_names(command))}",
+                      file=sys.stderr, flush=True)
+                raise SystemExit(stopped) from None
             if not isinstance(e, dist.DistError):
                 raise
             raise CLIError(_rendezvous_error(args, config_file, e)) from e
+
+
+def stopped_by_signal(error: BaseException) -> int | None:
+    """The exit status (130 / 143) when the launcher failed only because its processes stopped on a SIGINT /
+    SIGTERM sent to them (not to the launcher, which would exit by itself): every failure is that exit, or None."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    if not isinstance(error, ChildFailedError) or not error.failures:
+        return None
+    codes = set()
+    for failure in error.failures.values():
+        code = failure.exitcode
+        codes.add(128 - code if code < 0 else code)  # killed by signal n: -n
+    if len(codes) == 1 and codes <= {130, 143}:
+        return codes.pop()
+    return None
+
+
+def stopped_note(status: int) -> str:
+    """The summary of a launch whose processes stopped on a signal: which, and what is on disk."""
+    from .engine import checkpoints
+
+    name = "SIGINT" if status == 130 else "SIGTERM"
+    out = _STARTED.get("output_dir")
+    kept = checkpoints.kept_note(out) if out else "see the output above"
+    return f"the processes stopped on {name} (exit status {status}); {kept}"
 
 
 def _rendezvous_error(args, config_file: str, error: Exception) -> str:
@@ -400,11 +472,27 @@ def _rendezvous_error(args, config_file: str, error: Exception) -> str:
             "--num_processes; `--rdzv_conf timeout=SECONDS` sets how long to wait")
 
 
+#: What a Ctrl-C during start-up can say: the output_dir of the command being run (set once its arguments parse).
+_STARTED: dict = {}
+
+
+def interrupted_note() -> str:
+    """For a KeyboardInterrupt that carries no message (raised before training began, e.g. while the model loads):
+    what is on disk, never a checkpoint that does not exist."""
+    out = _STARTED.get("output_dir")
+    if not out:
+        return "interrupted before the arguments were read; nothing was written"
+    from .engine import checkpoints
+
+    return f"interrupted before training began; {checkpoints.kept_note(out)}"
+
+
 def run(command: str, argv: list[str]):
     """Run a trainer subcommand: parse, check rewards and prompts, load the pipeline, train, save. Returns the
     trainer (``None`` when the work ran in processes started by ``accelerate launch``). In a process of a
     multi-process launch the process group is destroyed by then (:func:`.engine.distributed.end_processes`)."""
     script_args, config, launch_args = parse_args(command, argv)
+    _STARTED["output_dir"] = config.output_dir
     if script_args.accelerate_config and not os.environ.get(_CHILD_ENV):
         _launch(command, argv, script_args, launch_args)
         return None
@@ -495,9 +583,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trl-flow {command}: error: {cli_form(e, _field_names(command))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:  # the trainer's message says what is on disk (a checkpoint, or none)
-        said = cli_form(e, _field_names(command)) if str(e) else (
-            "see the output above for the newest complete checkpoint; --resume_from_checkpoint True (same "
-            "--output_dir) continues from it")
+        said = cli_form(e if str(e) else interrupted_note(), _field_names(command))
         print(f"trl-flow {command}: interrupted; {said}", file=sys.stderr)
         return 130
     except _USER_ERRORS as e:

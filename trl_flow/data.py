@@ -100,6 +100,8 @@ def load_prompts(source: str, split: str = "train", name: str | None = None, sou
         if source_column in columns:
             columns[source_column] = _resolve_paths(source, source_column, columns[source_column])
         return check_prompt_dataset(columns, source)
+    if os.path.isfile(source):
+        return _load_data_file(source)
     if os.path.isdir(source) and (os.path.exists(os.path.join(source, "dataset_info.json"))
                                   or os.path.exists(os.path.join(source, "dataset_dict.json"))):
         ds = load_from_disk(source)
@@ -184,8 +186,44 @@ def _read_jsonl(source: str) -> dict:
                              "(e.g. all strings)")
         if "nested" in first:
             vals = [None if v is None else json.dumps(v) for v in vals]
+        _check_int64(source, k, lines, vals)
         cols[k] = vals
     return cols
+
+
+def _check_int64(source: str, key: str, lines: list[int], values: list) -> None:
+    """Arrow stores whole numbers in 64 bits: one beyond that is named (file, line, key) instead of pyarrow's
+    ``OverflowError`` traceback."""
+    for n, v in zip(lines, values):
+        if isinstance(v, int) and not isinstance(v, bool) and not -2**63 <= v < 2**63:
+            raise ValueError(f"{source}: line {n}: key `{key}` holds {str(v)[:30]}, a whole number beyond 64 bits "
+                             f"(what Arrow can store); write it as a string (\"{str(v)[:20]}...\") or a float")
+
+
+#: Prompt files other than .txt / .jsonl, read by ``datasets``' builder of that format.
+DATA_FILE_BUILDERS = {".json": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def _load_data_file(source: str):
+    """A ``.json`` / ``.csv`` / ``.parquet`` prompt file, through ``datasets``' builder for its format (given the
+    file as ``load_dataset(source)`` would look for a dataset script or folder and say "Couldn't find any data
+    file"). Any other file: a one-line error listing the formats."""
+    import os
+
+    from datasets import load_dataset
+
+    ext = os.path.splitext(source)[1].lower()
+    if ext not in DATA_FILE_BUILDERS:
+        raise ValueError(f"{source}: a prompt file must be .txt (one prompt a line), .jsonl (one JSON object a line) "
+                         f"or {', '.join(DATA_FILE_BUILDERS)} with a `prompt` column; got a {ext or 'suffix-less'} "
+                         "file")
+    try:
+        ds = load_dataset(DATA_FILE_BUILDERS[ext], data_files=source, split="train")
+    except Exception as e:  # noqa: BLE001 - the builders' errors name neither the file nor the format
+        cause = " ".join(str(e).split())[:200]
+        raise ValueError(f"{source}: cannot be read as {ext[1:].upper()} ({type(e).__name__}: {cause}); it must "
+                         "hold a `prompt` column (JSON: a list of objects, or one object per line)") from None
+    return check_prompt_dataset(ds, source)
 
 
 def _resolve_paths(source: str, key: str, values: list) -> list:

@@ -67,6 +67,67 @@ CITATIONS = {
 FLOW_GRPO_ARXIV = "2505.05470"
 
 
+# ------------------------------------------------------------------------------------------------ timeouts
+#: Seconds one Hub request (whoami, create_repo, model_info) may take before it counts as hung, and how many more
+#: tries a hung request gets; ``TRL_FLOW_HUB_TIMEOUT`` / ``TRL_FLOW_HUB_RETRIES`` override them. An upload gets
+#: ``max(UPLOAD_MIN_TIMEOUT_S, its bytes / UPLOAD_MIN_RATE)`` and no retry (a hung upload may still be running).
+HUB_TIMEOUT_S = 30.0
+HUB_RETRIES = 2
+UPLOAD_MIN_TIMEOUT_S = 600.0
+UPLOAD_MIN_RATE = 2**20  # bytes per second
+
+
+class HubTimeoutError(TimeoutError):
+    """A Hub request that did not answer within its time limit, on every try."""
+
+
+def hub_timeout() -> float:
+    return float(os.environ.get("TRL_FLOW_HUB_TIMEOUT") or HUB_TIMEOUT_S)
+
+
+def hub_retries() -> int:
+    return int(os.environ.get("TRL_FLOW_HUB_RETRIES") or HUB_RETRIES)
+
+
+def _timed_out(error: BaseException) -> bool:
+    """The HTTP library's own timeout (httpx / requests / socket), which counts as a hang too."""
+    return isinstance(error, TimeoutError) or "Timeout" in type(error).__name__
+
+
+def hub_call(what: str, fn, timeout: float | None = None, retries: int | None = None):
+    """``fn()`` (one Hub request) with a time limit: it runs in a daemon thread, so a Hub that accepts the
+    connection and never answers cannot hang the run; a hung try (or the library's own timeout) is repeated up to
+    ``retries`` times, then :class:`HubTimeoutError` names ``what``. Other errors are raised at once."""
+    import threading
+    import time
+
+    from huggingface_hub import constants
+
+    timeout = hub_timeout() if timeout is None else timeout
+    retries = hub_retries() if retries is None else retries
+    for attempt in range(1 + retries):
+        box: dict = {}
+
+        def run():
+            try:
+                box["value"] = fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                box["error"] = e
+
+        thread = threading.Thread(target=run, name=f"trl_flow-hub-{what}", daemon=True)
+        thread.start()
+        thread.join(timeout)
+        if "error" in box and not _timed_out(box["error"]):
+            raise box["error"]
+        if not thread.is_alive() and "error" not in box:
+            return box.get("value")
+        if attempt < retries:
+            time.sleep(min(2.0**attempt, 10.0))
+    tries = f"{1 + retries} tries" if retries else "1 try"
+    raise HubTimeoutError(f"the Hub at {constants.ENDPOINT} did not answer {what} within {timeout:g} s ({tries}; "
+                          "TRL_FLOW_HUB_TIMEOUT / TRL_FLOW_HUB_RETRIES set the limits)")
+
+
 # ------------------------------------------------------------------------------------------------ access
 def check_hub_access(accelerator=None, hint: bool = True) -> None:
     """Raise ``RuntimeError`` now if pushing cannot work: ``HF_HUB_OFFLINE`` is set, there is no token, or the Hub
@@ -95,7 +156,9 @@ def _hub_access_error(hint: bool = True) -> str | None:
     if get_token() is None:
         return f"push_to_hub: no Hugging Face token; run `hf auth login` or set HF_TOKEN, {hint}"
     try:
-        HfApi().whoami()
+        hub_call("whoami (the token check)", HfApi().whoami)
+    except HubTimeoutError as e:
+        return f"push_to_hub: {e}; check the network and HF_ENDPOINT, {hint}"
     except Exception as e:  # no network, DNS failure, proxy, rejected token: all end the same way
         return (f"push_to_hub: the Hub at {constants.ENDPOINT} cannot be used ({type(e).__name__}: {_one_line(e)}); "
                 f"check the network and the token, {hint}")
@@ -139,7 +202,7 @@ def license_info(config, base_model: str | None) -> dict:
         return {"license": config.hub_license}
     if base_model:
         try:
-            data = HfApi().model_info(base_model).card_data
+            data = hub_call(f"model_info({base_model})", lambda: HfApi().model_info(base_model)).card_data
         except Exception as e:
             warnings.warn(f"model card: could not read the license of {base_model} ({type(e).__name__}: {e}); "
                           "set hub_license", stacklevel=3)
@@ -369,24 +432,46 @@ def _write_and_upload(trainer, repo_id, private, commit_message, include, prompt
     license = license_info(cfg, base)
     card_path = os.path.join(cfg.output_dir, "README.md")
     build_model_card(trainer, repo_id, base, license, prompts, has_before).save(card_path)
-    full_id = api.create_repo(repo_id, exist_ok=True, private=private).repo_id
+    full_id = hub_call(f"create_repo({repo_id})",
+                       lambda: api.create_repo(repo_id, exist_ok=True, private=private)).repo_id
     if full_id != repo_id:  # the Hub added the namespace: the card's usage names the full id
         build_model_card(trainer, full_id, base, license, prompts, has_before).save(card_path)
-    api.upload_folder(repo_id=full_id, folder_path=cfg.output_dir, commit_message=commit_message,
-                      allow_patterns=upload_patterns(trainer, include))
+    patterns = upload_patterns(trainer, include)
+    hub_call(f"upload_folder({full_id})",
+             lambda: api.upload_folder(repo_id=full_id, folder_path=cfg.output_dir, commit_message=commit_message,
+                                       allow_patterns=patterns),
+             timeout=upload_timeout(cfg.output_dir, patterns), retries=0)
     return full_id
+
+
+def _matches(folder: str, pattern: str) -> list[str]:
+    """The files of ``folder`` an upload pattern selects."""
+    import glob
+
+    return [p for p in glob.glob(os.path.join(folder, pattern)) if os.path.isfile(p)]
+
+
+def upload_timeout(folder: str, patterns: list[str]) -> float:
+    """Seconds an upload of these files may take: at least UPLOAD_MIN_TIMEOUT_S, else at UPLOAD_MIN_RATE."""
+    size = sum(os.path.getsize(p) for pat in patterns for p in _matches(folder, pat))
+    if os.environ.get("TRL_FLOW_HUB_TIMEOUT"):
+        return max(hub_timeout(), size / UPLOAD_MIN_RATE)
+    return max(UPLOAD_MIN_TIMEOUT_S, size / UPLOAD_MIN_RATE)
 
 
 def push_later(trainer, repo_id: str, include_replay_buffer: bool = False, private: bool | None = None) -> str:
     """What a failed push says: where the model is, and the command (and Python call) that uploads exactly the
-    files :func:`push_to_hub` would have."""
+    files :func:`push_to_hub` would have, of those that exist (the card and the grid are written only once the Hub
+    answered)."""
     cfg = trainer.config
     folder = os.path.abspath(cfg.output_dir)
-    patterns = upload_patterns(trainer, include_replay_buffer)
+    patterns = [p for p in upload_patterns(trainer, include_replay_buffer) if _matches(folder, p)]
     model = (" + ".join(trainer.adapter.lora_weight_names()) if cfg.finetune == "lora"
              else "model_index.json and the pipeline's component folders")
     command = " ".join(["hf", "upload", shlex.quote(repo_id), shlex.quote(folder), "."]
                        + [f"--include {shlex.quote(p)}" for p in patterns] + (["--private"] if private else []))
-    return (f"Nothing is lost: the trained model is saved in {folder} ({model}; the model card README.md and "
-            f"{GRID_PATH} too, when they could be written). Push it later with: {command} -- or in Python: "
+    written = [name for name in ("README.md", GRID_PATH) if os.path.isfile(os.path.join(folder, name))]
+    extra = ("; the model card " + " and ".join(written)) if written else "; no model card was written"
+    return (f"Nothing is lost: the trained model is saved in {folder} ({model}{extra}). Push it later with: "
+            f"{command} -- or in Python: "
             f"HfApi().upload_folder(repo_id={repo_id!r}, folder_path={folder!r}, allow_patterns={patterns!r})")

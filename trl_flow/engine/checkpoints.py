@@ -12,10 +12,10 @@ Layout of ``output_dir/checkpoint-<step>`` (a folder appears under this name onl
 
 Saving writes into ``checkpoint-<step>.tmp`` and renames it when every file (and the marker, last) is on disk, so a
 kill at any moment leaves either the previous checkpoints untouched plus a ``.tmp`` folder, or the new complete one.
-Resume picks the newest complete checkpoint (by the marker's time), warns about and skips incomplete ones, verifies
-every file against the marker (an error names a missing or corrupted file), and compares the saved config with the
-current one (:func:`compare_configs`). Rotation (``save_total_limit``) deletes only complete checkpoints of the
-current run (the run id is stored in the marker), oldest first.
+Resume picks the newest complete checkpoint (by step, never by the clock), warns about and skips incomplete ones,
+verifies every file against the marker (an error names a missing or corrupted file), and compares the saved config
+with the current one (:func:`compare_configs`). Rotation (``save_total_limit``) deletes only complete checkpoints of
+the current run (the run id is stored in the marker), lowest step first.
 
 Nothing here unpickles arbitrary objects: weights and EMA are safetensors, scheduler/trainer state and config JSON;
 accelerate's optimizer, RNG and grad-scaler files are read with ``torch.load(weights_only=True)``.
@@ -178,8 +178,10 @@ def read_marker(path: str) -> CheckpointInfo | None:
 
 
 def find_checkpoints(output_dir: str) -> tuple[list[CheckpointInfo], list[str]]:
-    """Complete checkpoints of ``output_dir`` oldest first (by save time, then step), and the incomplete ones
-    (``checkpoint-<n>`` folders without a valid marker, and ``.tmp`` folders of interrupted saves)."""
+    """Complete checkpoints of ``output_dir`` oldest first, by step (then save time), and the incomplete ones
+    (``checkpoint-<n>`` folders without a valid marker, and ``.tmp`` folders of interrupted saves). Never by the
+    clock first: a machine whose clock is behind (or was set back) would otherwise rotate away each new checkpoint
+    and resume an older one."""
     complete, incomplete = [], []
     if not os.path.isdir(output_dir):
         return complete, incomplete
@@ -192,8 +194,13 @@ def find_checkpoints(output_dir: str) -> tuple[list[CheckpointInfo], list[str]]:
         elif _step_of(name) is not None:
             info = read_marker(path)
             (complete.append(info) if info is not None else incomplete.append(path))
-    complete.sort(key=lambda c: (c.time, c.step))
+    complete.sort(key=_step_order)
     return complete, incomplete
+
+
+def _step_order(c: CheckpointInfo) -> tuple:
+    """Checkpoint order: the step counter; the marker's time only between two of one step."""
+    return (c.step, c.time)
 
 
 def normalize_resume(resume):
@@ -231,13 +238,14 @@ def resolve_resume(resume, output_dir: str, print_fn=print) -> CheckpointInfo:
                 warnings.warn(f"resume_from_checkpoint: skipping {info.path}: {e}", RuntimeWarning, stacklevel=3)
                 errors.append(str(e).split("; resume from")[0])
                 continue
+            _warn_other_runs(info, complete)
             return info
         if not complete:
             raise ValueError(f"resume_from_checkpoint: no complete checkpoint-* folder in {output_dir}"
                              + (f" (incomplete: {[os.path.basename(p) for p in incomplete]})" if incomplete else ""))
         raise ValueError(f"resume_from_checkpoint: no checkpoint in {output_dir} is intact ({'; '.join(errors)}); "
                          "start a new run (overwrite_output_dir=True) or restore the files")
-    path = str(resume)
+    path = in_output_dir(str(resume), output_dir)
     if not os.path.isdir(path):
         raise ValueError(f"resume_from_checkpoint={path!r}: not a folder; give a checkpoint-<N> folder, or "
                          "resume_from_checkpoint=True for the newest complete checkpoint in output_dir")
@@ -254,6 +262,30 @@ def resolve_resume(resume, output_dir: str, print_fn=print) -> CheckpointInfo:
         raise ValueError(f"resume_from_checkpoint: {path} is not a complete trl_flow checkpoint (no valid "
                          f"{COMPLETE_NAME}: its save was interrupted, or trl_flow did not write it){hint}")
     return info
+
+
+def _warn_other_runs(info: CheckpointInfo, complete: list[CheckpointInfo]) -> None:
+    """The newest checkpoint is the highest step, whatever run wrote it: say so when other runs' are there too."""
+    others = sorted({c.run_id for c in complete} - {info.run_id})
+    if others:
+        warnings.warn(f"resume_from_checkpoint: {os.path.dirname(info.path)} holds checkpoints of {len(others) + 1} "
+                      f"runs; resuming the highest step, {os.path.basename(info.path)} of run {info.run_id} (pass a "
+                      "folder to pick another)", RuntimeWarning, stacklevel=4)
+
+
+def in_output_dir(path: str, output_dir: str) -> str:
+    """A relative ``resume_from_checkpoint`` that is no folder here but one inside ``output_dir`` (a bare
+    ``checkpoint-1``) means that one."""
+    inside = os.path.join(output_dir, path)
+    if not os.path.isdir(path) and not os.path.isabs(path) and os.path.isdir(inside):
+        return inside
+    return path
+
+
+def nothing_to_resume(resume, output_dir: str) -> bool:
+    """``resume_from_checkpoint=True`` where ``output_dir`` holds no complete checkpoint: the first run of a job
+    script that always passes it; it starts a new run."""
+    return normalize_resume(resume) is True and not find_checkpoints(output_dir)[0]
 
 
 def verify_files(info: CheckpointInfo) -> None:

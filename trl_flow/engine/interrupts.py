@@ -1,5 +1,9 @@
 """Deferred interrupts: SIGINT / SIGTERM finish the iteration, which is saved; a second signal stops at once.
 
+One signal often arrives more than once: a scheduler (Slurm, systemd) signals every process of a job, and the
+launcher (torchrun, ``accelerate launch``) forwards its own copy to each worker a few milliseconds later. Copies that
+arrive within ``InterruptGuard.COALESCE_S`` seconds of the first count once; only a later one means "stop now".
+
 A Python signal handler runs only in the main thread, between bytecodes. While the main thread waits in native code
 (a collective blocked on a process that was stopped or hangs, a long kernel) no handler runs: the first signal is
 acted on only when that call returns, and a second one would be lost the same way. So the guard also starts a
@@ -53,13 +57,21 @@ class InterruptGuard:
     watcher thread) are installed only from the main thread."""
 
     SIGNALS = ("SIGINT", "SIGTERM")
+    #: Copies of one signal that arrive within this many seconds of the first count once: a launcher (torchrun,
+    #: ``accelerate launch``) forwards the SIGTERM that Slurm / systemd / Kubernetes also send to each process,
+    #: a few milliseconds after the process's own copy. Only a signal later than this means "stop now".
+    COALESCE_S = 2.0
     #: After a second signal, how long the main thread gets to raise ``KeyboardInterrupt`` and leave the guard
     #: before the watcher ends the process (it runs Python within microseconds unless blocked in native code).
     FORCE_EXIT_AFTER_S = 3.0
 
-    def __init__(self, print_fn=print):
+    def __init__(self, print_fn=print, on_first_signal: Callable[[int], None] | None = None):
         self.signum: int | None = None
         self._handled = 0  # calls of the handler
+        self._raised = False  # the handler raised KeyboardInterrupt for a second, distinct signal
+        self._first_at: float | None = None  # monotonic time of the first signal (handler's view, no watcher)
+        #: called once, from the watcher thread, when the first signal arrives (whatever the main thread does)
+        self._on_first_signal = on_first_signal
         self._previous: dict = {}
         self._print = print_fn
         self._watcher: _SignalWatcher | None = None
@@ -71,7 +83,7 @@ class InterruptGuard:
                 if sig is not None:
                     self._previous[sig] = signal.signal(sig, self._handle)
             self._watcher = _SignalWatcher({int(s) for s in self._previous}, self.FORCE_EXIT_AFTER_S,
-                                           lambda: self._handled)
+                                           lambda: self._raised, self.COALESCE_S, self._on_first_signal)
         return self
 
     def __exit__(self, exc_type=None, exc=None, tb=None):
@@ -91,14 +103,26 @@ class InterruptGuard:
 
     def _handle(self, signum, frame):
         self._handled += 1
+        now = time.monotonic()
         if self._handled == 1:
-            self.signum = signum
+            self.signum, self._first_at = signum, now
             self._print(f"\n{signal.Signals(signum).name} received: finishing this iteration, then saving a "
                         "checkpoint and stopping (send it again to stop now without saving).")
-        elif self._handled == 2:
+        elif not self._raised and self._is_second_signal(now):
+            self._raised = True
             self.__exit__()
             raise KeyboardInterrupt
-        # later calls: a signal the watcher re-raised just as the second one arrived; already stopping
+        # otherwise: a copy of the first signal (a launcher's forward), or one the watcher re-raised just as the
+        # second arrived (already stopping)
+
+    def _is_second_signal(self, now: float) -> bool:
+        """A distinct second signal, not a copy of the first: more than ``COALESCE_S`` after this handler's first
+        call, or the watcher saw two signals that far apart (it reads them as they arrive, while this handler may
+        run late, and pending signals of one kind reach it merged; a late first call only shortens the gap seen
+        here, so a copy is never taken for a second signal)."""
+        if self._watcher is not None and self._watcher.distinct >= 2:
+            return True
+        return now - (self._first_at or now) > self.COALESCE_S
 
     def stop_requested(self, accelerator) -> int | None:
         """The signal any process received (all processes agree), or None."""
@@ -124,8 +148,13 @@ class _SignalWatcher:
 
     POLL_S = 0.05
 
-    def __init__(self, signums: set[int], grace: float, handled: Callable[[], int]):
-        self._signums, self._grace, self._handled = signums, grace, handled
+    def __init__(self, signums: set[int], grace: float, raised: Callable[[], bool], coalesce_s: float = 0.0,
+                 on_first: Callable[[int], None] | None = None):
+        self._signums, self._grace, self._raised = signums, grace, raised
+        self._coalesce_s, self._on_first = coalesce_s, on_first
+        #: signals seen, copies arriving within ``coalesce_s`` of the first counted once
+        self.distinct = 0
+        self._on_first_thread: threading.Thread | None = None
         self._done = threading.Event()
         self._read, self._write = os.pipe()
         os.set_blocking(self._write, False)  # the C handler must never block on a full pipe
@@ -135,18 +164,32 @@ class _SignalWatcher:
         self._thread.start()
 
     def _run(self) -> None:
-        count, last = 0, None
+        first_at, last = None, None
         while not self._done.is_set():
             try:
                 data = os.read(self._read, 512)
             except OSError:
                 return
+            now = time.monotonic()
             for signum in data:
-                if signum in self._signums:
-                    count, last = count + 1, signum
-            if count >= 2:
+                if signum not in self._signums:
+                    continue
+                if first_at is None:
+                    first_at, last, self.distinct = now, signum, 1
+                    self._start_on_first(signum)
+                elif now - first_at > self._coalesce_s:
+                    last, self.distinct = signum, 2
+            if self.distinct >= 2:
                 self._second(last)
                 return
+
+    def _start_on_first(self, signum: int) -> None:
+        """Run the first-signal callback (the preemption checkpoint) in its own daemon thread, so that this one
+        keeps counting signals meanwhile."""
+        if self._on_first is not None:
+            self._on_first_thread = threading.Thread(target=self._on_first, args=(signum,),
+                                                     name="trl_flow-preemption-save", daemon=True)
+            self._on_first_thread.start()
 
     def _second(self, signum: int) -> None:
         """Signals that arrive before the main thread runs its handler are merged into one call (e.g. two sent
@@ -154,13 +197,22 @@ class _SignalWatcher:
         Blocked in native code it sees none: end the process after the grace period."""
         end = time.monotonic() + self._grace
         while not self._done.wait(self.POLL_S):
-            if self._handled() < 2:
+            if not self._raised():
                 _thread.interrupt_main(signum)
             if time.monotonic() > end:
                 print(f"\n{signal.Signals(signum).name} received again and the process is blocked outside Python "
                       "(e.g. a collective waiting for a process that stopped, see ddp_timeout): exiting now without "
                       "saving; complete checkpoints are untouched.", file=sys.stderr, flush=True)
+                self.finish_first_signal_work()
                 os._exit(128 + signum)
+
+    #: How long a forced exit waits for the first signal's work (the preemption checkpoint being written) to end.
+    FIRST_WORK_WAIT_S = 10.0
+
+    def finish_first_signal_work(self) -> None:
+        """Let a preemption checkpoint that is being written complete (bounded) before the process ends."""
+        if self._on_first_thread is not None:
+            self._on_first_thread.join(self.FIRST_WORK_WAIT_S)
 
     def stop(self) -> None:
         self._done.set()

@@ -127,6 +127,37 @@ def _remove(output_dir: str, name: str) -> bool:
     return True
 
 
+def foreign_pipeline(output_dir: str) -> list[str]:
+    """What a diffusers pipeline that no trl_flow run wrote holds in ``output_dir`` (``model_index.json`` and its
+    component folders: a base model someone gave as output_dir), or [] if there is none. A trl_flow run leaves its
+    ``log_history.jsonl`` (written at every start) or its checkpoints next to the pipeline it saves."""
+    if not os.path.isfile(os.path.join(output_dir, PIPELINE_INDEX)):
+        return []
+    comps = [c + "/" for c in _pipeline_components(output_dir) if os.path.isdir(os.path.join(output_dir, c))]
+    if not comps or os.path.exists(os.path.join(output_dir, LOG_NAME)):
+        return []
+    if checkpoints.find_checkpoints(output_dir)[0]:
+        return []
+    return [PIPELINE_INDEX] + comps
+
+
+def removal_list(output_dir: str, run_id: str) -> list[str]:
+    """Every path :func:`remove_earlier_outputs` would remove, as it would remove it: the names of
+    :func:`earlier_outputs` and a saved pipeline's component folders, folders ending in ``/``, symlinks marked
+    ``(symlink, its target is kept)``."""
+    listed = []
+    for name in earlier_outputs(output_dir, run_id):
+        if name == PIPELINE_INDEX:
+            listed += [c for c in _pipeline_components(output_dir) if os.path.lexists(os.path.join(output_dir, c))]
+        listed.append(name.rstrip("/"))
+    out = []
+    for name in listed:
+        path = os.path.join(output_dir, name)
+        out.append(name + (" (symlink, its target is kept)" if os.path.islink(path) else
+                           "/" if os.path.isdir(path) else ""))
+    return out
+
+
 def remove_earlier_outputs(output_dir: str, run_id: str) -> list[str]:
     """Delete what :func:`earlier_outputs` lists (a saved pipeline: its ``model_index.json`` and the component
     folders it names), each by name inside ``output_dir`` (:func:`_remove`). Returns the names removed."""
@@ -210,6 +241,10 @@ def prepare(trainer, resume) -> None:
     ``train()`` has checked ``output_dir`` with :func:`check_writable` and taken its lock (:func:`run_lock`)."""
     cfg, acc = trainer.config, trainer.accelerator
     resume = checkpoints.normalize_resume(resume)
+    if resume is True and checkpoints.agree(acc, "fresh" if checkpoints.nothing_to_resume(resume, cfg.output_dir)
+                                            else None):
+        acc.print(f"resume_from_checkpoint=True: no checkpoint in {cfg.output_dir} yet, so this is a new run")
+        resume = None
     if resume is not None:
         trainer.load_checkpoint(resume)
         acc.wait_for_everyone()
@@ -221,6 +256,7 @@ def prepare(trainer, resume) -> None:
                           "resume_from_checkpoint=True now finds this run's own checkpoints; delete that folder "
                           "when you no longer need it)")
     elif not getattr(trainer, "_output_dir_ready", False) and trainer.state.global_step == 0:
+        refuse_foreign_pipeline(cfg.output_dir)
         found = earlier_outputs(cfg.output_dir, trainer.state.run_id)
         if found and not cfg.overwrite_output_dir:
             resumable = any(checkpoints.read_marker(os.path.join(cfg.output_dir, n)) for n in found
@@ -233,6 +269,7 @@ def prepare(trainer, resume) -> None:
                 "another output_dir")
         acc.wait_for_everyone()
         if found and acc.is_main_process:
+            announce_removal(trainer)
             remove_earlier_outputs(cfg.output_dir, trainer.state.run_id)
             acc.print(f"overwrite_output_dir: removed the earlier run's {', '.join(found)} from {cfg.output_dir}")
     trainer._output_dir_ready = True
@@ -241,6 +278,29 @@ def prepare(trainer, resume) -> None:
         checkpoints.clean_leftovers(cfg.output_dir)
         write_log(os.path.join(cfg.output_dir, LOG_NAME), trainer.state.log_history, mode="w")
     acc.wait_for_everyone()
+
+
+def refuse_foreign_pipeline(output_dir: str) -> None:
+    """Refuse an ``output_dir`` holding a pipeline no trl_flow run wrote, even with ``overwrite_output_dir``: the
+    overwrite would delete someone's model (e.g. the base model's own folder)."""
+    held = foreign_pipeline(output_dir)
+    if held:
+        raise ValueError(
+            f"output_dir={output_dir!r} holds a diffusers pipeline that no trl_flow run wrote ({', '.join(held)}), "
+            "e.g. the base model itself; it is never overwritten, not even with overwrite_output_dir=True (that "
+            "would delete the model): choose another output_dir")
+
+
+def announce_removal(trainer) -> list[str]:
+    """Say (console and the ``trl_flow`` logger) every path overwrite_output_dir is about to remove, before it does."""
+    import logging
+
+    cfg = trainer.config
+    paths = removal_list(cfg.output_dir, trainer.state.run_id)
+    note = f"overwrite_output_dir: removing from {cfg.output_dir}: {', '.join(paths)}"
+    trainer.accelerator.print(note)
+    logging.getLogger("trl_flow").warning(note)
+    return paths
 
 
 def json_safe(entry: dict) -> dict:

@@ -17,9 +17,10 @@ import os
 
 from ..rewards import RewardError
 from ..storage import SaveError
-from . import callbacks, checkpoints, distributed, export
+from . import callbacks, checkpoints, distributed, export, final_save
 from . import output_dir as run_dir
 from .interrupts import InterruptGuard
+from .preemption import PreemptionCheckpoint
 
 
 def train(trainer, resume_from_checkpoint=None):
@@ -27,6 +28,7 @@ def train(trainer, resume_from_checkpoint=None):
     cfg, acc = trainer.config, trainer.accelerator
     resume = resume_from_checkpoint if resume_from_checkpoint is not None else cfg.resume_from_checkpoint
     run_dir.check_writable(cfg.output_dir)
+    final_save.check_free_space(trainer)  # the final weights must fit (check_free_space=False goes on)
     with run_dir.run_lock(trainer):  # a second run in this output_dir is refused here
         run_dir.prepare(trainer, resume)  # resume, or refuse / (overwrite_output_dir) clear an earlier run's outputs
         if cfg.report_to:
@@ -58,7 +60,9 @@ def _iterate(trainer) -> None:
         _evaluate(trainer, start)
     # SIGINT / SIGTERM are deferred to the end of the iteration, which is then saved: a checkpoint never holds
     # part of an iteration. Anything raised mid-iteration (a failing reward, a second Ctrl-C) saves nothing.
-    guard = InterruptGuard(acc.print)
+    # A SIGTERM also writes the last completed iteration at once (the scheduler may SIGKILL before its end).
+    preempt = PreemptionCheckpoint(trainer)
+    guard = InterruptGuard(acc.print, on_first_signal=preempt.on_signal)
     try:
         with guard:
             for step in range(start, cfg.max_steps):
@@ -68,6 +72,7 @@ def _iterate(trainer) -> None:
                 except RewardError as e:
                     raise RewardError(f"iteration {step + 1}: {e}; {_kept(trainer)}") from e
                 except KeyboardInterrupt:
+                    preempt.wait(10.0)  # the message names the preemption checkpoint once it is complete
                     raise _interrupted(trainer, f"interrupted during iteration {step + 1}: its partial update is "
                                                 "discarded") from None
                 n = trainer.state.global_step = step + 1
@@ -76,6 +81,7 @@ def _iterate(trainer) -> None:
                 bar.set_postfix(reward=f"{metrics.get('reward', float('nan')):.4g}")
                 callbacks.fire(trainer, "on_step_end")
                 final = _after_iteration(trainer, metrics, n)
+                preempt.record()
                 signum = guard.stop_requested(acc)
                 if signum:
                     if final:
@@ -83,7 +89,10 @@ def _iterate(trainer) -> None:
                             " (not pushed to the Hub)" if cfg.push_to_hub else "")
                         acc.print(f"Training finished ({n} iterations): {note}; stopping.")
                     else:
-                        note = f"saved {callbacks.save_checkpoint(trainer)} after iteration {n}"
+                        preempt.wait()
+                        saved = callbacks.save_checkpoint(trainer)
+                        preempt.drop_superseded(saved)
+                        note = f"saved {saved} after iteration {n}"
                         acc.print(f"{note[0].upper()}{note[1:]}; stopping.")
                     exc = guard.exception(signum)
                     raise (KeyboardInterrupt(note + "; " + _kept(trainer)) if isinstance(exc, KeyboardInterrupt)
@@ -96,6 +105,7 @@ def _iterate(trainer) -> None:
             if start >= cfg.max_steps:  # resumed at the end: nothing to iterate, the final model is still saved
                 save_final(trainer)
     finally:
+        preempt.wait(10.0)  # a preemption checkpoint being written completes even when "stop now" ends the loop
         bar.close()
 
 
@@ -158,10 +168,15 @@ def save_final(trainer) -> None:
     try:
         trainer.save_model(out)
     except SaveError as e:
+        rescued, failures = final_save.save_to_rescue_folder(trainer)
+        if rescued:
+            raise SaveError(
+                f"{e}. The trained weights were written to the fallback folder {rescued} instead (copy them into "
+                f"{out} once it has room); on disk, {_kept(trainer)}") from e.__cause__
         raise SaveError(
             f"{e}. The trained weights are still in this trainer's memory: make room, then call "
-            f"trainer.save_model() (from the command line they are lost when the process ends); on disk, "
-            f"{_kept(trainer)}") from e.__cause__
+            f"trainer.save_model() (from the command line they are lost when the process ends; the fallback "
+            f"folders failed too: {'; '.join(failures)}); on disk, {_kept(trainer)}") from e.__cause__
     except KeyboardInterrupt:
         raise _interrupted(trainer, f"interrupted while saving the final model: nothing of it was kept in {out} "
                                     "(the save was atomic)") from None

@@ -224,11 +224,17 @@ class FlowRLConfig:
     resume_from_checkpoint: str | None = field(default=None, metadata=meta("harmless",
         "Checkpoint folder to resume from, or `latest` for the newest complete one in output_dir. Same as "
         "train(resume_from_checkpoint=...)."))
+    check_free_space: bool = field(default=True, metadata=meta("harmless",
+        "At the start, refuse an output_dir whose disk cannot hold the final weights (warn when it cannot also "
+        "hold two checkpoints); False goes on anyway. A failed final save writes the weights to a fallback folder "
+        "($TRL_FLOW_RESCUE_DIR, ~/.cache/trl_flow/rescue/<run>, $TMPDIR/trl_flow-rescue/<run>) named in the "
+        "error."))
     overwrite_output_dir: bool = field(default=False, metadata=meta("harmless",
         "Start a new (not resumed) run in an output_dir that holds an earlier run's outputs: first deletes them, "
         "each by name directly inside output_dir (its checkpoint-* folders, final LoRA file or saved pipeline, "
-        "log_history.jsonl, samples/, tensorboard folders, abandoned-after-step-* folders); other files are left "
-        "alone. Without it such a run is refused."))
+        "log_history.jsonl, samples/, tensorboard folders, abandoned-after-step-* folders), listing each path "
+        "first; other files are left alone. Without it such a run is refused. A folder holding a diffusers "
+        "pipeline that no trl_flow run wrote (e.g. the base model's) is refused even with it."))
     push_to_hub: bool = field(default=False, metadata=meta("harmless",
         "At the end of train(), after the final model is saved in output_dir, upload it (LoRA or pipeline) to the "
         "Hub with a model card. The Hub is checked at start; if the upload fails at the end, the model stays in "
