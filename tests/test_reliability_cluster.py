@@ -17,6 +17,7 @@ import torch
 from conftest import brightness
 from test_multiprocess_stop import HANG, ROOT, _free_port, _output, _popen, _wait_until
 
+from trl_flow import storage
 from trl_flow.engine import checkpoints
 
 
@@ -276,13 +277,13 @@ def test_a_failed_final_save_writes_the_weights_to_a_fallback_folder_it_names(ma
 
     tr = make_trainer(max_steps=1)
     monkeypatch.setattr(safetensors.torch, "save_file", save_file)
-    with pytest.raises(checkpoints.SaveError, match="written to the fallback folder") as info:
+    with pytest.raises(storage.SaveError, match="written to the fallback folder") as info:
         tr.train()
     folder = next(p for p in rescue.iterdir())
     assert str(folder) in str(info.value) and "is full" in str(info.value)
     monkeypatch.setattr(safetensors.torch, "save_file", real)
     again = tr.save_model(str(tmp_path / "again"))  # the same weights, written normally
-    got, want = (safetensors.torch.load_file(os.path.join(d, checkpoints.LORA_WEIGHT_NAME)) for d in (folder, again))
+    got, want = (safetensors.torch.load_file(os.path.join(d, storage.LORA_WEIGHT_NAME)) for d in (folder, again))
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 

@@ -241,7 +241,7 @@ def prepare(trainer, resume) -> None:
     ``train()`` has checked ``output_dir`` with :func:`check_writable` and taken its lock (:func:`run_lock`)."""
     cfg, acc = trainer.config, trainer.accelerator
     resume = checkpoints.normalize_resume(resume)
-    if resume is True and checkpoints.agree(acc, "fresh" if checkpoints.nothing_to_resume(resume, cfg.output_dir)
+    if resume is True and distributed.agree(acc, "fresh" if checkpoints.nothing_to_resume(resume, cfg.output_dir)
                                             else None):
         acc.print(f"resume_from_checkpoint=True: no checkpoint in {cfg.output_dir} yet, so this is a new run")
         resume = None
