@@ -45,6 +45,7 @@ class _Parser:
         """A recipe's value for a list field may be one value (``reward_funcs: shapes_partial``, ``reward_weights:
         2.0``): it is a one-item list, never iterated letter by letter; every item gets the field's type, as on the
         command line."""
+        config = _recipe_trl_names(getattr(self, "config_cls", None), config, getattr(self, "recipe", ""))
         actions = {a.dest: a for a in self._actions}
         for key, value in config.items():
             action = actions.get(key)
@@ -163,6 +164,7 @@ def make_parser(command: str):
     recipes = [n for n, path in shipped("recipes").items() if _recipe_trainer(path) in (None, canonical(command))]
     parser = parser_cls((ScriptArguments, config_cls), prog=f"trl-flow {command}", allow_abbrev=False,
                         epilog=f"recipes for `trl-flow {command}` (--config NAME): {', '.join(recipes)}")
+    parser.config_cls = config_cls  # TRL's names in a recipe (epsilon, num_iterations): _recipe_trl_names
     for action in parser._actions:  # argparse %-formats help texts: a literal "25%" in a field's help broke --help
         if action.help:
             action.help = re.sub(r"%(?!\()", "%%", action.help)
@@ -193,13 +195,54 @@ def _did_you_mean(options, flags) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- parsing
+def trl_names(command: str, argv: list[str], say=None) -> list[str]:
+    """``argv`` with TRL's GRPOConfig names of our fields (``--epsilon``, ``--num_iterations``:
+    :data:`trl_flow.trainers.trl_compat.CONFIG_ALIASES`) replaced by ours, saying so in one line each (``say``,
+    default: print to stderr); a TRL name without an equivalent is a :class:`CLIError` naming our field."""
+    from .trainers import trl_compat
+
+    config_cls, _ = trainer_classes(command)
+    say = say or (lambda line: print(line, file=sys.stderr, flush=True))
+    out = []
+    for token in argv:
+        if token.startswith("--") and len(token) > 2:
+            name, eq, value = token[2:].partition("=")
+            try:
+                target = trl_compat.alias_target(config_cls, name)
+            except ValueError as e:
+                raise CLIError(re.sub(r"`(\w+)`", r"--\1", str(e))) from None
+            if target is not None:
+                say(f"trl-flow {command}: --{name} is TRL's name for --{target}; using --{target}")
+                token = f"--{target}{eq}{value}"
+        out.append(token)
+    return out
+
+
+def _recipe_trl_names(config_cls, config: dict, recipe: str) -> dict:
+    """A recipe's keys with TRL's names of our fields replaced by ours (see :func:`trl_names`)."""
+    if config_cls is None:
+        return config
+    from .trainers import trl_compat
+
+    out = {}
+    for key, value in config.items():
+        try:
+            target = trl_compat.alias_target(config_cls, key)
+        except ValueError as e:
+            raise CLIError(f"--config {recipe}: {e}") from None
+        if target is not None and target in config:
+            raise CLIError(f"--config {recipe}: {key} (TRL's name for {target}) and {target} both given; keep {target}")
+        out[target or key] = value
+    return out
+
+
 def parse_args(command: str, argv: list[str]):
     """Parse a trainer subcommand's arguments: ``(script_args, config, launch_args)``.
 
     ``--config`` takes a YAML file or the name of a shipped recipe; its keys must be fields. ``launch_args`` are
     the leftover options, allowed only with ``--accelerate_config`` and only if ``accelerate launch`` knows them.
     """
-    argv = list(argv)
+    argv = trl_names(command, list(argv))
     parser = make_parser(command)
     if "--config" in argv:
         i = argv.index("--config")
@@ -401,6 +444,7 @@ def run(command: str, argv: list[str]):
     """Run a trainer subcommand: parse, check rewards and prompts, load the pipeline, train, save. Returns the
     trainer (``None`` when the work ran in processes started by ``accelerate launch``). In a process of a
     multi-process launch the process group is destroyed by then (:func:`.engine.distributed.end_processes`)."""
+    argv = trl_names(command, argv)  # once, here: the processes of a launch get our names
     script_args, config, launch_args = parse_args(command, argv)
     if script_args.accelerate_config and not os.environ.get(_CHILD_ENV):
         _launch(command, argv, script_args, launch_args)

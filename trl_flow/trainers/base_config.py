@@ -16,6 +16,7 @@ from ..advantages import SCALE_REWARDS
 from ..kernels import FIRST_STEP_STDS, KL_FORMS, REDUCTIONS, SAMPLERS
 from ..memory import OFFLOAD_MODES
 from ..trust_region import DEFAULT_KL_MASK_DELTA, KL_MASK_MODES, TRUST_REGIONS
+from .trl_compat import AcceptsTrlNames
 
 
 GUIDANCE_GRADS = ("cond_only", "both")
@@ -36,7 +37,7 @@ EXPERTS = ("all", "high_noise", "low_noise")
 SOURCE_IMAGE_SIZES = ("auto", "source", "output")
 
 @dataclass
-class FlowRLConfig:
+class FlowRLConfig(metaclass=AcceptsTrlNames):  # TRL's GRPOConfig names (epsilon, num_iterations): trl_compat.py
     #: The method trains on the rollout kernel's log-probs (every SDE policy-gradient trainer), so `ode` is refused.
     trains_on_log_probs = True
 

@@ -28,6 +28,7 @@ from ..rewards.scheduling import OverlappedScoring, collect_scores
 from ..rollout import Rollout, sample_trajectories, step_samplers
 from ..engine import checkpoints, distributed, guards, model_setup, prompt_encoding, tracking, train_loop
 from ..engine import output_dir as run_dir
+from . import trl_compat
 from .base_config import FlowRLConfig
 from ..engine.checkpoints import TrainerState
 from ..storage import LORA_WEIGHT_NAME  # noqa: F401  (re-exported)
@@ -56,9 +57,12 @@ class FlowRLTrainer:
     rollout_store = "trajectory"
 
     # ------------------------------------------------------------------------------------------------ set-up
-    def __init__(self, config, pipe, reward_funcs, train_dataset=None, eval_dataset=None):
-        if not isinstance(config, self.config_class):
-            raise TypeError(f"config: expected a {self.config_class.__name__}, got {type(config).__name__}")
+    def __init__(self, config=None, pipe=None, reward_funcs=None, train_dataset=None, eval_dataset=None, *,
+                 model=None, args=None, peft_config=None, **kwargs):
+        # Our form (config, pipe, reward_funcs) or TRL's (model=, reward_funcs=, args=, peft_config=): trl_compat.py.
+        # Also applies peft_config and the model's own sampling settings to a copy of the config.
+        config, pipe, reward_funcs = trl_compat.resolve_init_args(
+            self, config, pipe, reward_funcs, model=model, args=args, peft_config=peft_config, kwargs=kwargs)
         self.config = config
         run_dir.check_writable(config.output_dir)  # before any compute: the run's outputs must be saveable
         self.reward_funcs, self.reward_names, self.reward_weights = validate_reward_funcs(
