@@ -410,17 +410,91 @@ def _launch(command: str, argv: list[str], script_args: ScriptArguments, launch_
             kept.append(token)
     args = launch_command_parser().parse_args(
         ["--config_file", config_file, *launch_args, "--module", "trl_flow.cli", command, *kept])
-    env = {_CHILD_ENV: "1"}  # the started processes run the command, not another launch
-    env.update(shutdown_timeout_env())
-    with patch_environment(**env):
-        try:
-            launch_command(args)
-        except Exception as e:  # the launcher's own rendezvous (before any process starts) failed
-            import torch.distributed as dist
+    import shutil
+    import tempfile
 
-            if not isinstance(e, dist.DistError):
-                raise
-            raise CLIError(_rendezvous_error(args, config_file, e)) from e
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    errors = tempfile.mkdtemp(prefix="trl_flow_errors_")
+    # the started processes run the command, not another launch, and leave their error lines for this one to print
+    env = {_CHILD_ENV: "1", _ERRORS_ENV: errors}
+    env.update(shutdown_timeout_env())
+    env.update(cpu_env(command))
+    import logging
+
+    # torch's launcher logs "failed (exitcode: N) local_rank: ..." for each failed process: _children_error says it
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    try:
+        with patch_environment(**env):
+            try:
+                launch_command(args)
+            except ChildFailedError as e:  # each process's error once, not the launcher's traceback
+                raise _children_error(e, errors) from None
+            except Exception as e:  # the launcher's own rendezvous (before any process starts) failed
+                import torch.distributed as dist
+
+                if not isinstance(e, dist.DistError):
+                    raise
+                raise CLIError(_rendezvous_error(args, config_file, e)) from e
+    finally:
+        shutil.rmtree(errors, ignore_errors=True)
+
+
+#: Where the processes of a `--accelerate_config` launch write their one-line errors (a folder; one file a rank).
+_ERRORS_ENV = "TRL_FLOW_ERRORS_DIR"
+
+
+class ChildrenFailed(CLIError):
+    """Processes of a launch failed; ``status`` is the exit status of the first that did."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
+def _children_error(error, folder: str) -> ChildrenFailed:
+    """The failed processes' own error lines (written to ``folder``), each distinct line once; else their exit
+    codes (a crash: their output above says more)."""
+    failures = sorted(error.failures.items())
+    status = next((f.exitcode for _, f in failures if f.exitcode and f.exitcode > 0), 1)
+    lines = {}
+    for name in sorted(os.listdir(folder), key=lambda n: int(n) if n.isdigit() else n):
+        with open(os.path.join(folder, name), encoding="utf-8") as f:
+            lines.setdefault(f.read().strip(), []).append(name)
+    if not lines:
+        said = ", ".join(f"process {rank} exit code {f.exitcode}" for rank, f in failures)
+        return ChildrenFailed(f"{said}; see its output above", status)
+    if len(lines) == 1:
+        return ChildrenFailed(next(iter(lines)), status)
+    return ChildrenFailed("; ".join(f"process {', '.join(ranks)}: {line}" for line, ranks in lines.items()), status)
+
+
+def _has_accelerator() -> bool:
+    import torch
+
+    if torch.cuda.is_available():
+        return True
+    import accelerate.utils as au
+
+    for name in ("is_xpu_available", "is_npu_available", "is_mlu_available", "is_hpu_available", "is_musa_available"):
+        check = getattr(au, name, None)
+        try:
+            if check is not None and check():
+                return True
+        except Exception:  # a probe of a device library that is broken here: not that device
+            pass
+    return False
+
+
+def cpu_env(command: str) -> dict[str, str]:
+    """``ACCELERATE_USE_CPU=true`` for a launch on a machine without GPUs (accelerate would otherwise set up no
+    process group: each process would train alone), said in one line; nothing when the variable is set already
+    (``ACCELERATE_USE_CPU=false`` keeps accelerate's own choice) or a GPU is found."""
+    if os.environ.get("ACCELERATE_USE_CPU") is not None or _has_accelerator():
+        return {}
+    print(f"trl-flow {command}: no GPU found: the processes run on the CPU (gloo), ACCELERATE_USE_CPU=true",
+          file=sys.stderr, flush=True)
+    return {"ACCELERATE_USE_CPU": "true"}
 
 
 def _rendezvous_error(args, config_file: str, error: Exception) -> str:
@@ -512,6 +586,17 @@ def _top_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _report(command: str, message: str) -> None:
+    """Print ``trl-flow <command>: error: <message>``; in a process of a `--accelerate_config` launch, leave it to
+    the launching command instead, which prints each distinct error once (:func:`_children_error`)."""
+    folder = os.environ.get(_ERRORS_ENV) if os.environ.get(_CHILD_ENV) else None
+    if folder and os.path.isdir(folder):
+        with open(os.path.join(folder, os.environ.get("RANK", "0")), "w", encoding="utf-8") as f:
+            f.write(message)
+        return
+    print(f"trl-flow {command}: error: {message}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry point of ``trl-flow``. Returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -533,8 +618,8 @@ def main(argv: list[str] | None = None) -> int:
             return server.main(rest) or 0
         run(command, rest)
     except CLIError as e:
-        print(f"trl-flow {command}: error: {cli_form(e, _field_names(command))}", file=sys.stderr)
-        return 2
+        _report(command, cli_form(e, _field_names(command)))
+        return getattr(e, "status", 2)
     except KeyboardInterrupt as e:  # the trainer's message says what is on disk (a checkpoint, or none)
         said = cli_form(e, _field_names(command)) if str(e) else (
             "see the output above for the newest complete checkpoint; --resume_from_checkpoint True (same "
@@ -546,7 +631,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         # a ValueError is a check of the input, which names the field; other types say what failed where
         note = "" if type(e) is ValueError else f" [{type(e).__name__}; TRL_FLOW_TRACEBACK=1 shows the traceback]"
-        print(f"trl-flow {command}: error: {cli_form(e, _field_names(command))}{note}", file=sys.stderr)
+        _report(command, f"{cli_form(e, _field_names(command))}{note}")
         return 2 if isinstance(e, ValueError) else 1
     return 0
 
