@@ -344,3 +344,12 @@ def test_the_run_sets_the_thread_count_before_any_work(monkeypatch):
         with pytest.raises(cli.CLIError, match="reward_funcs: required"):
             cli.run("grpo", ["--dataset_name", "shapes", *argv])
         assert seen == expected
+
+
+def test_a_recipe_of_another_trainer_says_how_to_run_it(capsys):
+    """`trl-flow nft --config shapes_op_grpo`: refused before its OP-GRPO keys are checked against DiffusionNFT's
+    fields, naming the recipe's `trainer:` key, the command that runs it and nft's own recipes."""
+    assert cli.main(["nft", "--config", "shapes_op_grpo"]) == 2
+    err = capsys.readouterr().err
+    assert "`trainer: op-grpo`" in err and "trl-flow op-grpo --config shapes_op_grpo" in err
+    assert "set `trainer: nft`" in err and "shapes_nft" in err and "unknown keys" not in err

@@ -182,6 +182,15 @@ def _recipe_trainer(path: str) -> str | None:
     return m.group(1) if m else None
 
 
+def _other_trainer(command: str, recipe: str, written_for: str) -> str:
+    """Why a recipe written for another trainer is refused, and the two ways to run it."""
+    same = [n for n, p in shipped("recipes").items() if canonical(_recipe_trainer(p) or "") == canonical(command)]
+    return (f"--config {recipe}: this recipe is for `trl-flow {written_for}` (its key `trainer: {written_for}`), not "
+            f"`trl-flow {command}`. Run it with `trl-flow {written_for} --config {recipe}`; or, to train it with "
+            f"{command}, copy it, set `trainer: {command}` and keep only fields of {command}'s config"
+            + (f" (recipes for {command}: {', '.join(same)})" if same else ""))
+
+
 def _did_you_mean(options, flags) -> str:
     """``"; --max_step: did you mean --max_steps?"`` for the misspelled ones among ``options`` (difflib over the
     known ``flags``), or ``""``."""
@@ -248,8 +257,12 @@ def parse_args(command: str, argv: list[str]):
         i = argv.index("--config")
         if i + 1 >= len(argv):
             raise CLIError("--config: expected a YAML file or a recipe name after it")
+        given = argv[i + 1]
         argv[i + 1] = parser.recipe = _resolve_yaml(argv[i + 1], "recipes", "--config")
         _check_recipe(parser.recipe)
+        written_for = _recipe_trainer(parser.recipe)  # before its keys are checked against this command's fields
+        if written_for is not None and written_for in commands() and canonical(written_for) != canonical(command):
+            raise CLIError(_other_trainer(command, given, written_for))
     try:
         script_args, config, config_rest, cli_rest = parser.parse_args_and_config(
             argv, return_remaining_strings=True, separate_remaining_strings=True)
@@ -263,8 +276,7 @@ def parse_args(command: str, argv: list[str]):
                        "or script arguments (see trl-flow " + command + " --help)"
                        + (f"; did you mean: {', '.join(hints)}?" if hints else ""))
     if script_args.trainer is not None and canonical(script_args.trainer) != canonical(command):
-        raise CLIError(f"this recipe is for `trl-flow {script_args.trainer}` (trainer: {script_args.trainer}), "
-                       f"not `trl-flow {command}`")
+        raise CLIError(_other_trainer(command, getattr(parser, "recipe", "the recipe"), script_args.trainer))
     flags = [f for f in parser._option_string_actions if f.startswith("--") and f != "--help"]
     if cli_rest and not (script_args.accelerate_config and not os.environ.get(_CHILD_ENV)):
         raise CLIError(f"unrecognized arguments: {' '.join(cli_rest)}{_did_you_mean(cli_rest, flags)} (options are "
