@@ -240,8 +240,9 @@ class FlowRLConfig(metaclass=AcceptsTrlNames):  # TRL's GRPOConfig names (epsilo
     logging_steps: int = field(default=1, metadata=meta("harmless", "Log metrics every this many iterations."))
     log_images_steps: int = field(default=0, metadata=meta("harmless",
         "Write a grid of rollout images to output_dir/samples every this many iterations; 0 disables."))
-    report_to: list[str] | str = field(default="none", metadata=meta("harmless",
-        "Trackers for accelerate: none, all, wandb, tensorboard, or a list."))
+    report_to: list[str] | str = field(default_factory=list, metadata=meta("harmless",
+        "Trackers: none (the default, []), all, wandb, tensorboard, or a list; tensorboard writes to "
+        "output_dir/<run_name>."))
     save_steps: int = field(default=0, metadata=meta("harmless",
         "Save a resumable checkpoint (accelerate save_state) every this many iterations; 0 disables."))
     save_total_limit: int | None = field(default=None, metadata=meta("harmless",

@@ -508,7 +508,7 @@ class FlowRLTrainer:
         entry = {"step": step, **{k: float(v) for k, v in metrics.items()}}
         self.state.log_history.append(entry)
         if self.config.report_to:
-            self.accelerator.log({k: v for k, v in entry.items() if k != "step"}, step=step)
+            self.accelerator.log(tracking.tracker_metrics(entry), step=step)  # train/..., eval/... as TRL
         if self.accelerator.is_main_process:
             os.makedirs(self.config.output_dir, exist_ok=True)
             run_dir.write_log(os.path.join(self.config.output_dir, run_dir.LOG_NAME), [entry])
