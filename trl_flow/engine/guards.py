@@ -81,6 +81,22 @@ def remove_adapter(transformer) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- prompts
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a ``warnings.warn`` in the calling function point at the user's code: the first
+    frame outside trl_flow and torch (``torch.no_grad``'s wrapper, torch/utils/_contextlib.py, sits between a
+    trainer's ``encode`` and its caller)."""
+    import os
+    import sys
+
+    import torch
+
+    skip = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (sys.modules["trl_flow"], torch))
+    frame, level = sys._getframe(1), 1  # level 1: the function that calls warnings.warn
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(skip):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 class LongPromptWarning:
     """Warn once per trainer when a prompt is longer than a text encoder's limit (the pipeline cuts it there), naming
     its dataset row, and silence the pipeline's own warning, which it repeats at every encode. The limits and the
@@ -112,7 +128,7 @@ class LongPromptWarning:
                     f"{len(long)} of {len(distinct)} distinct prompts in this batch exceed the {limit}-token limit of "
                     f"pipe.{name} and are cut there by the pipeline: e.g. {self._where(first, prompts)}, "
                     f"{lengths[long[0]]} tokens: {first[:80]!r}. {fix} Reported once per trainer.",
-                    UserWarning, stacklevel=3)
+                    UserWarning, stacklevel=user_stacklevel())
                 return
 
     def _where(self, prompt: str, prompts: list[str]) -> str:
