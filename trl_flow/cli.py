@@ -240,7 +240,8 @@ def _recipe_trl_names(config_cls, config: dict, recipe: str) -> dict:
         except ValueError as e:
             raise CLIError(f"--config {recipe}: {e}") from None
         if target is not None and target in config:
-            raise CLIError(f"--config {recipe}: {key} (TRL's name for {target}) and {target} both given; keep {target}")
+            raise CLIError(f"--config {recipe}: {key} (TRL's name for {target}) and {target} both given; "
+                           f"keep {target}")
         out[target or key] = value
     return out
 

@@ -18,8 +18,8 @@ NO_REWARD_WARN_AFTER = 3
 # ------------------------------------------------------------------------------------------- launch, batch
 def check_launch(accelerator) -> None:
     """A launcher that started several processes (WORLD_SIZE > 1) must give accelerate as many: on a machine without
-    GPUs accelerate otherwise runs independent single-process copies that write into one output_dir. A run on
-    several processes says so once."""
+    GPUs accelerate otherwise runs independent single-process copies that write into one output_dir. (The start-up
+    line of :func:`trl_flow.engine.distributed.startup_line` says how many processes a run has.)"""
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world > 1 and accelerator.num_processes == 1:
         raise RuntimeError(
@@ -28,9 +28,6 @@ def check_launch(accelerator) -> None:
             f"--nproc_per_node {world} train.py ...` or `ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu "
             f"--num_processes {world} train.py ...`"
         )
-    if accelerator.num_processes > 1:  # said once (the main process prints), not once per process
-        accelerator.print(f"Training on {accelerator.num_processes} processes "
-                          f"({getattr(accelerator.distributed_type, 'value', accelerator.distributed_type)})")
 
 
 def _nearest(value: int, ok) -> list[int]:

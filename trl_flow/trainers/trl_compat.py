@@ -202,7 +202,8 @@ def apply_peft_config(config, peft_config):
            if (getattr(peft_config, k, ok) or None) != (ok or None)]
     if bad:
         raise ValueError(f"peft_config: {', '.join(bad)} not supported; trl_flow sets r, lora_alpha and "
-                         "target_modules from a LoraConfig and trains plain LoRA (leave the others at peft's defaults)")
+                         "target_modules from a LoraConfig and trains plain LoRA (leave the others at peft's "
+                         "defaults)")
     targets = peft_config.target_modules
     if isinstance(targets, str):
         raise ValueError(f"peft_config.target_modules={targets!r}: give a list of module names (a regular expression "
