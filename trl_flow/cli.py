@@ -172,7 +172,87 @@ def make_parser(command: str):
     parser.add_argument("--config", default=argparse.SUPPRESS, metavar="RECIPE_OR_YAML",
                         help="A YAML file of field values, or the name of a recipe shipped in trl_flow/recipes "
                              f"({', '.join(recipes)}); flags given after it override it.")
+    _short_help(parser, config_cls, command)
     return parser
+
+
+#: Longest help text `--help` shows for a field; the whole text is in the docs' configuration tables.
+HELP_CHARS = 90
+
+
+def _short(text: str) -> str:
+    """A help text's first sentence (ended by ``.`` or ``;`` outside parentheses), at most :data:`HELP_CHARS`
+    characters; a parenthesis left open by the cut is closed with ``...)``."""
+    text = " ".join(text.split())
+    depth, end = 0, len(text)
+    for i, c in enumerate(text):
+        depth += (c == "(") - (c == ")")
+        if depth == 0 and c in ".;" and (i + 1 == len(text) or text[i + 1] == " ") \
+                and not text[max(0, i - 3): i + 1].endswith(("e.g.", "i.e.", "vs.")):
+            end = i + (c == ".")
+            break
+    first = text[:end]
+    if len(first) > HELP_CHARS:
+        first = first[:HELP_CHARS].rsplit(" ", 1)[0] + " ..."
+    close = ")" if first.endswith(" ...") else " ...)"
+    return first + close * max(0, first.count("(") - first.count(")"))
+
+
+def _field_groups(config_cls) -> dict[str, str]:
+    """Field -> the section it is declared under (the ``# ---- <title> ----`` comments of the config classes;
+    a subclass's new fields: ``<method> options``)."""
+    import dataclasses
+    import inspect
+
+    names = {f.name for f in dataclasses.fields(config_cls)}
+    groups = {}
+    for klass in reversed(config_cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            source = inspect.getsource(klass)
+        except (OSError, TypeError):
+            continue
+        title = f"{klass.__name__} options"
+        for line in source.splitlines():
+            m = re.match(r"\s*# -+ (.+?) -+$", line)
+            if m:
+                title = m.group(1)
+                continue
+            m = re.match(r"    (\w+):", line)
+            if m and m.group(1) in names and m.group(1) not in groups:
+                groups[m.group(1)] = title
+    return groups
+
+
+def _short_help(parser, config_cls, command: str) -> None:
+    """``--help`` fits a screen or two: fields grouped by section, each help text cut to its first sentence, a
+    short usage line; the long story of each field is in the docs (the configuration table of the method's page)."""
+    import dataclasses
+
+    groups = {f.name: "model, data, rewards, launch" for f in dataclasses.fields(ScriptArguments)}
+    groups.update(_field_groups(config_cls))
+    made = {}
+    for action in list(parser._actions):
+        title = groups.get(action.dest)
+        if title is None:
+            continue
+        if action.help:
+            action.help = _short(action.help)
+        # one spelling shown (--max_steps; --max-steps is still accepted), and the value's type as its metavar
+        action.option_strings = [o for o in action.option_strings if "-" not in o[2:]] or action.option_strings
+        if action.nargs != 0 and action.metavar is None:
+            action.metavar = getattr(action.type, "__name__", "value").upper().replace("STRING_TO_BOOL", "BOOL")
+        if title not in made:
+            made[title] = parser.add_argument_group(title)
+        for container in parser._action_groups:
+            if action in container._group_actions:
+                container._group_actions.remove(action)
+        made[title]._group_actions.append(action)
+    parser.usage = (f"trl-flow {command} [--config RECIPE_OR_YAML] [--FIELD VALUE ...] "
+                    "[--accelerate_config NAME [accelerate launch options]]")
+    parser.epilog = ((parser.epilog or "") + ". Each field's full description: the configuration table of its "
+                     "method's page in docs/ (e.g. docs/flow_grpo.md), and docs/cli.md.")
 
 
 def _recipe_trainer(path: str) -> str | None:
