@@ -96,8 +96,13 @@ def test_shapes_model_without_height_32(tmp_path):
     from trl_flow.tasks.shapes import load_base_pipeline
 
     pipe = load_base_pipeline()
-    with pytest.raises(ValueError, match=r"height=512, width=512.*trained at 32 x 32.*e\.g\. 32"):
-        FlowGRPOTrainer(tiny_config(tmp_path, height=512, width=512), pipe, [brightness], train_dataset=PROMPTS)
+    with pytest.warns(UserWarning, match=r"height=256 \(the model's: 32\)"), \
+            pytest.raises(ValueError, match=r"height=256, width=256.*trained at 32 x 32.*e\.g\. 32"):
+        FlowGRPOTrainer(tiny_config(tmp_path, height=256, width=256), pipe, [brightness], train_dataset=PROMPTS)
+    # left at the dataclass default (512), the size is the one the model declares (trl_flow_defaults.json): 32
+    trainer = FlowGRPOTrainer(tiny_config(tmp_path, height=512, width=512), pipe, [brightness],
+                              train_dataset=PROMPTS)
+    assert (trainer.config.height, trainer.config.width) == (32, 32)
 
 
 def test_a_pipeline_given_to_a_trainer_before_is_refused(tmp_path, fresh_pipe):

@@ -117,6 +117,41 @@ def test_cpu_two_process_launch_trains_with_two_processes(tmp_path):
     assert _exits(tmp_path) == ["0 False", "1 False"]
 
 
+def test_cpu_two_process_launch_needs_no_environment_variable(tmp_path):
+    """On a machine without GPUs the command forces the CPU itself (ACCELERATE_USE_CPU=true), saying so once; the
+    two processes train together (each scores half of the iteration's images) and the command exits 0."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the launch uses it")
+    logs = tmp_path / "ranks"
+    logs.mkdir()
+    env = _cli_env(tmp_path, logs)
+    del env["ACCELERATE_USE_CPU"]
+    cmd = [sys.executable, "-m", "trl_flow.cli", "grpo", "--accelerate_config", "multi_gpu", "--num_processes", "2",
+           *ONE_ITERATION, "--save_steps", "0", "--output_dir", str(tmp_path / "out")]
+    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("no GPU found: the processes run on the CPU") == 1, proc.stderr[-3000:]
+    records = {name.split("-")[0]: open(logs / name).read().split("\n")[:-1] for name in os.listdir(logs)}
+    assert set(records) == {"0", "1"} and all(lines == ["2 2", "2 2"] for lines in records.values()), records
+
+
+def test_an_error_of_the_processes_is_printed_once_without_the_launchers_traceback(tmp_path):
+    """Both processes refuse the same bad input: its line is printed once, by the launching command, which exits
+    with the processes' status; no Python traceback from torch's launcher (ChildFailedError)."""
+    logs = tmp_path / "ranks"
+    logs.mkdir()
+    env = _cli_env(tmp_path, logs)
+    cmd = [sys.executable, "-m", "trl_flow.cli", "grpo", "--accelerate_config", "multi_gpu", "--num_processes", "2",
+           *ONE_ITERATION, "--output_dir", str(tmp_path / "out"), "--prompts_per_step", "3", "--num_generations", "3"]
+    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("trl-flow grpo: error:")]
+    assert len(errors) == 1 and "divide" in errors[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr, proc.stderr[-3000:]
+
+
 def _cli_env(tmp_path, logs):
     (tmp_path / "rank_rewards.py").write_text(REWARD_MODULE)
     (tmp_path / "exits").mkdir()
@@ -206,7 +241,8 @@ def test_cpu_fsdp2_launch_really_shards(tmp_path):
            "--main_process_port", str(_free_port()), *ONE_ITERATION, "--output_dir", str(out)]
     proc = subprocess.run(cmd, env=_cli_env(tmp_path, logs), cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "trl_flow: accelerate FSDP, 2 process(es), FSDP2 (FULL_STATE_DICT) on CPU (gloo)" in proc.stdout
+    assert ("trl_flow: training on 2 CPU processes, parameters sharded (FSDP2, full_state_dict checkpoints), "
+            "float32") in proc.stdout
     state = json.load(open(out / "checkpoint-1" / "trainer_state.json"))
     assert state["distributed"]["distributed_type"] == "FSDP" and state["distributed"]["num_processes"] == 2
     assert "pytorch_model_fsdp.bin" in os.listdir(out / "checkpoint-1")

@@ -75,3 +75,12 @@ def test_the_trainer_warns_once_naming_the_train_dataset_row(tmp_path, fresh_pip
     ours = [str(w.message) for w in seen if "token limit" in str(w.message)]
     assert len(ours) == 1 and "16-token limit of pipe.tokenizer" in ours[0] and "train_dataset row 1" in ours[0]
     assert "Reported once per trainer" in ours[0] and "does not change with max_sequence_length" in ours[0]
+
+
+def test_the_warning_points_at_the_users_code(tmp_path, fresh_pipe):
+    """Reached through the trainer's ``encode`` (wrapped by ``torch.no_grad``), the warning names the line of the
+    user's code that called it, not torch/utils/_contextlib.py or a trl_flow file."""
+    trainer = FlowGRPOTrainer(tiny_config(tmp_path), fresh_pipe(), [brightness], train_dataset=ROWS)
+    with pytest.warns(UserWarning, match="exceed the 16-token limit") as seen:
+        trainer.encode([LONG, "a cat"], guidance_scale=1.0)
+    assert seen[0].filename == __file__, seen[0].filename

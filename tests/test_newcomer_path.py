@@ -252,26 +252,35 @@ def test_two_fresh_processes_write_identical_lora_weights_and_metadata(tmp_path)
 
 
 # --------------------------------------------------------------------------------------- item 4: said once
-def test_a_multi_process_run_says_once_how_many_processes(monkeypatch):
-    from trl_flow.engine import guards
+def test_a_multi_process_run_says_once_how_many_processes(monkeypatch, capsys, tmp_path):
+    """One start-up line a user understands (how many processes, on what, how they share the work, precision),
+    printed by the main process only (accelerate's print), in place of `accelerate NO, 1 process(es)`."""
+    from trl_flow.engine import distributed, guards
 
-    class FakeAccelerator:
-        def __init__(self, n, main):
-            self.num_processes, self.is_main_process, self.distributed_type, self.out = n, main, "MULTI_CPU", []
+    line = distributed.startup_line
+    assert line({"distributed_type": "NO", "num_processes": 1}, "cpu") == (
+        "trl_flow: training on 1 process on cpu, float32")
+    assert line({"distributed_type": "MULTI_CPU", "num_processes": 2}, "cpu") == (
+        "trl_flow: training on 2 CPU processes, data parallel (DDP over gloo), float32")
+    assert line({"distributed_type": "MULTI_GPU", "num_processes": 8}, "cuda:3", "bf16") == (
+        "trl_flow: training on 8 CUDA processes, data parallel (DDP over NCCL), bf16 mixed precision")
+    assert line({"distributed_type": "FSDP", "num_processes": 2, "fsdp_version": 2, "fsdp_state_dict_type":
+                 "SHARDED_STATE_DICT", "fsdp_on_cpu": True}, "cpu") == (
+        "trl_flow: training on 2 CPU processes, parameters sharded (FSDP2, sharded_state_dict checkpoints), float32")
+    from trl_flow import FlowGRPOConfig
 
-        def print(self, *a):  # accelerate's print: the main process only
-            if self.is_main_process:
-                self.out.append(" ".join(map(str, a)))
+    distributed.make_accelerator(FlowGRPOConfig(output_dir=str(tmp_path)))
+    assert capsys.readouterr().out.splitlines() == ["trl_flow: training on 1 process on cpu, float32"]
+
+    class FakeAccelerator:  # a launch whose processes accelerate joined: no error, nothing more printed
+        num_processes, out = 2, []
+
+        def print(self, *a):
+            self.out.append(a)
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    ranks = [FakeAccelerator(2, True), FakeAccelerator(2, False)]
-    for acc in ranks:
-        guards.check_launch(acc)
-    assert [line for acc in ranks for line in acc.out] == ["Training on 2 processes (MULTI_CPU)"]
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    single = FakeAccelerator(1, True)
-    guards.check_launch(single)
-    assert single.out == []
+    guards.check_launch(FakeAccelerator())
+    assert FakeAccelerator.out == []
 
 
 def test_a_normal_run_warns_nothing(tmp_path, fresh_pipe, caplog):

@@ -62,6 +62,17 @@ def test_tensorboard_gets_images_captions_and_reward_histograms(make_trainer, tm
     for i, prompt in enumerate(ro.prompts):
         assert f"{i}. {prompt} | reward {float(ro.rewards[i]):.4g}" in text
 
+    # Scalars under train/ and eval/, as TRL's trainers log them; the JSONL log keeps the plain names.
+    assert "train/reward" in tags["scalars"] and "train/loss" in tags["scalars"], tags["scalars"]
+    assert "eval/reward" in tags["scalars"] and "reward" not in tags["scalars"]
+    assert [e.step for e in acc.Scalars("train/reward")] == [1, 2]
+    assert any("reward" in e and "train/reward" not in e for e in tr.state.log_history)
+    # The samples/ grids carry their prompts and rewards in a caption file beside them, in grid order.
+    lines = (out / "samples" / "train_step_2.txt").read_text().splitlines()
+    assert len(lines) == tr.config.train_batch_size
+    assert lines[0] == f"row 0, column 0: {ro.prompts[0]} | reward {float(ro.rewards[0]):.4g}"
+    assert (out / "samples" / "train_step_2.png").exists() and (out / "samples" / "eval_step_2.txt").exists()
+
 
 def _wandb_history(run_dir: str) -> list[dict]:
     """History rows of an offline wandb run, from its .wandb file (LevelDB-style log of protobuf Records)."""
@@ -111,7 +122,7 @@ def test_wandb_offline_gets_captioned_images_and_histograms(make_trainer, tmp_pa
     assert len(files) == len(ro) and all(glob.glob(f"{run_dir}/files/{f}") for f in files)
     assert merged["hist/train/reward/_type"] == "histogram"
     assert sum(merged["hist/train/reward/values"]) == len(ro)
-    assert merged["reward"] == pytest.approx(float(torch.nanmean(ro.rewards)))
+    assert merged["train/reward"] == pytest.approx(float(torch.nanmean(ro.rewards)))  # TRL's train/ prefix
 
 
 def test_captions_name_every_reward_and_missing_scores():

@@ -45,6 +45,7 @@ class _Parser:
         """A recipe's value for a list field may be one value (``reward_funcs: shapes_partial``, ``reward_weights:
         2.0``): it is a one-item list, never iterated letter by letter; every item gets the field's type, as on the
         command line."""
+        config = _recipe_trl_names(getattr(self, "config_cls", None), config, getattr(self, "recipe", ""))
         actions = {a.dest: a for a in self._actions}
         for key, value in config.items():
             action = actions.get(key)
@@ -163,6 +164,7 @@ def make_parser(command: str):
     recipes = [n for n, path in shipped("recipes").items() if _recipe_trainer(path) in (None, canonical(command))]
     parser = parser_cls((ScriptArguments, config_cls), prog=f"trl-flow {command}", allow_abbrev=False,
                         epilog=f"recipes for `trl-flow {command}` (--config NAME): {', '.join(recipes)}")
+    parser.config_cls = config_cls  # TRL's names in a recipe (epsilon, num_iterations): _recipe_trl_names
     for action in parser._actions:  # argparse %-formats help texts: a literal "25%" in a field's help broke --help
         if action.help:
             action.help = re.sub(r"%(?!\()", "%%", action.help)
@@ -170,7 +172,87 @@ def make_parser(command: str):
     parser.add_argument("--config", default=argparse.SUPPRESS, metavar="RECIPE_OR_YAML",
                         help="A YAML file of field values, or the name of a recipe shipped in trl_flow/recipes "
                              f"({', '.join(recipes)}); flags given after it override it.")
+    _short_help(parser, config_cls, command)
     return parser
+
+
+#: Longest help text `--help` shows for a field; the whole text is in the docs' configuration tables.
+HELP_CHARS = 90
+
+
+def _short(text: str) -> str:
+    """A help text's first sentence (ended by ``.`` or ``;`` outside parentheses), at most :data:`HELP_CHARS`
+    characters; a parenthesis left open by the cut is closed with ``...)``."""
+    text = " ".join(text.split())
+    depth, end = 0, len(text)
+    for i, c in enumerate(text):
+        depth += (c == "(") - (c == ")")
+        if depth == 0 and c in ".;" and (i + 1 == len(text) or text[i + 1] == " ") \
+                and not text[max(0, i - 3): i + 1].endswith(("e.g.", "i.e.", "vs.")):
+            end = i + (c == ".")
+            break
+    first = text[:end]
+    if len(first) > HELP_CHARS:
+        first = first[:HELP_CHARS].rsplit(" ", 1)[0] + " ..."
+    close = ")" if first.endswith(" ...") else " ...)"
+    return first + close * max(0, first.count("(") - first.count(")"))
+
+
+def _field_groups(config_cls) -> dict[str, str]:
+    """Field -> the section it is declared under (the ``# ---- <title> ----`` comments of the config classes;
+    a subclass's new fields: ``<method> options``)."""
+    import dataclasses
+    import inspect
+
+    names = {f.name for f in dataclasses.fields(config_cls)}
+    groups = {}
+    for klass in reversed(config_cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            source = inspect.getsource(klass)
+        except (OSError, TypeError):
+            continue
+        title = f"{klass.__name__} options"
+        for line in source.splitlines():
+            m = re.match(r"\s*# -+ (.+?) -+$", line)
+            if m:
+                title = m.group(1)
+                continue
+            m = re.match(r"    (\w+):", line)
+            if m and m.group(1) in names and m.group(1) not in groups:
+                groups[m.group(1)] = title
+    return groups
+
+
+def _short_help(parser, config_cls, command: str) -> None:
+    """``--help`` fits a screen or two: fields grouped by section, each help text cut to its first sentence, a
+    short usage line; the long story of each field is in the docs (the configuration table of the method's page)."""
+    import dataclasses
+
+    groups = {f.name: "model, data, rewards, launch" for f in dataclasses.fields(ScriptArguments)}
+    groups.update(_field_groups(config_cls))
+    made = {}
+    for action in list(parser._actions):
+        title = groups.get(action.dest)
+        if title is None:
+            continue
+        if action.help:
+            action.help = _short(action.help)
+        # one spelling shown (--max_steps; --max-steps is still accepted), and the value's type as its metavar
+        action.option_strings = [o for o in action.option_strings if "-" not in o[2:]] or action.option_strings
+        if action.nargs != 0 and action.metavar is None:
+            action.metavar = getattr(action.type, "__name__", "value").upper().replace("STRING_TO_BOOL", "BOOL")
+        if title not in made:
+            made[title] = parser.add_argument_group(title)
+        for container in parser._action_groups:
+            if action in container._group_actions:
+                container._group_actions.remove(action)
+        made[title]._group_actions.append(action)
+    parser.usage = (f"trl-flow {command} [--config RECIPE_OR_YAML] [--FIELD VALUE ...] "
+                    "[--accelerate_config NAME [accelerate launch options]]")
+    parser.epilog = ((parser.epilog or "") + ". Each field's full description: the configuration table of its "
+                     "method's page in docs/ (e.g. docs/flow_grpo.md), and docs/cli.md.")
 
 
 def _recipe_trainer(path: str) -> str | None:
@@ -178,6 +260,15 @@ def _recipe_trainer(path: str) -> str | None:
     with open(path, encoding="utf-8") as f:
         m = re.search(r"^trainer:\s*([\w-]+)", f.read(), flags=re.M)
     return m.group(1) if m else None
+
+
+def _other_trainer(command: str, recipe: str, written_for: str) -> str:
+    """Why a recipe written for another trainer is refused, and the two ways to run it."""
+    same = [n for n, p in shipped("recipes").items() if canonical(_recipe_trainer(p) or "") == canonical(command)]
+    return (f"--config {recipe}: this recipe is for `trl-flow {written_for}` (its key `trainer: {written_for}`), not "
+            f"`trl-flow {command}`. Run it with `trl-flow {written_for} --config {recipe}`; or, to train it with "
+            f"{command}, copy it, set `trainer: {command}` and keep only fields of {command}'s config"
+            + (f" (recipes for {command}: {', '.join(same)})" if same else ""))
 
 
 def _did_you_mean(options, flags) -> str:
@@ -193,20 +284,67 @@ def _did_you_mean(options, flags) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- parsing
+def trl_names(command: str, argv: list[str], say=None) -> list[str]:
+    """``argv`` with TRL's GRPOConfig names of our fields (``--epsilon``, ``--num_iterations``:
+    :data:`trl_flow.trainers.trl_compat.CONFIG_ALIASES`) replaced by ours, saying so in one line each (``say``,
+    default: print to stderr); a TRL name without an equivalent is a :class:`CLIError` naming our field."""
+    from .trainers import trl_compat
+
+    config_cls, _ = trainer_classes(command)
+    say = say or (lambda line: print(line, file=sys.stderr, flush=True))
+    out = []
+    for token in argv:
+        if token.startswith("--") and len(token) > 2:
+            name, eq, value = token[2:].partition("=")
+            try:
+                target = trl_compat.alias_target(config_cls, name)
+            except ValueError as e:
+                raise CLIError(re.sub(r"`(\w+)`", r"--\1", str(e))) from None
+            if target is not None:
+                say(f"trl-flow {command}: --{name} is TRL's name for --{target}; using --{target}")
+                token = f"--{target}{eq}{value}"
+        out.append(token)
+    return out
+
+
+def _recipe_trl_names(config_cls, config: dict, recipe: str) -> dict:
+    """A recipe's keys with TRL's names of our fields replaced by ours (see :func:`trl_names`)."""
+    if config_cls is None:
+        return config
+    from .trainers import trl_compat
+
+    out = {}
+    for key, value in config.items():
+        try:
+            target = trl_compat.alias_target(config_cls, key)
+        except ValueError as e:
+            raise CLIError(f"--config {recipe}: {e}") from None
+        if target is not None and target in config:
+            raise CLIError(f"--config {recipe}: {key} (TRL's name for {target}) and {target} both given; "
+                           f"keep {target}")
+        out[target or key] = value
+    return out
+
+
 def parse_args(command: str, argv: list[str]):
     """Parse a trainer subcommand's arguments: ``(script_args, config, launch_args)``.
 
     ``--config`` takes a YAML file or the name of a shipped recipe; its keys must be fields. ``launch_args`` are
     the leftover options, allowed only with ``--accelerate_config`` and only if ``accelerate launch`` knows them.
     """
+    argv = trl_names(command, list(argv))
     parser = make_parser(command)
     argv = attach_negative_numbers(parser, list(argv))
     if "--config" in argv:
         i = argv.index("--config")
         if i + 1 >= len(argv):
             raise CLIError("--config: expected a YAML file or a recipe name after it")
+        given = argv[i + 1]
         argv[i + 1] = parser.recipe = _resolve_yaml(argv[i + 1], "recipes", "--config")
         _check_recipe(parser.recipe)
+        written_for = _recipe_trainer(parser.recipe)  # before its keys are checked against this command's fields
+        if written_for is not None and written_for in commands() and canonical(written_for) != canonical(command):
+            raise CLIError(_other_trainer(command, given, written_for))
     try:
         script_args, config, config_rest, cli_rest = parser.parse_args_and_config(
             argv, return_remaining_strings=True, separate_remaining_strings=True)
@@ -220,8 +358,7 @@ def parse_args(command: str, argv: list[str]):
                        "or script arguments (see trl-flow " + command + " --help)"
                        + (f"; did you mean: {', '.join(hints)}?" if hints else ""))
     if script_args.trainer is not None and canonical(script_args.trainer) != canonical(command):
-        raise CLIError(f"this recipe is for `trl-flow {script_args.trainer}` (trainer: {script_args.trainer}), "
-                       f"not `trl-flow {command}`")
+        raise CLIError(_other_trainer(command, getattr(parser, "recipe", "the recipe"), script_args.trainer))
     flags = [f for f in parser._option_string_actions if f.startswith("--") and f != "--help"]
     if cli_rest and not (script_args.accelerate_config and not os.environ.get(_CHILD_ENV)):
         raise CLIError(f"unrecognized arguments: {' '.join(cli_rest)}{_did_you_mean(cli_rest, flags)} (options are "
@@ -411,22 +548,96 @@ def _launch(command: str, argv: list[str], script_args: ScriptArguments, launch_
             kept.append(token)
     args = launch_command_parser().parse_args(
         ["--config_file", config_file, *launch_args, "--module", "trl_flow.cli", command, *kept])
-    env = {_CHILD_ENV: "1"}  # the started processes run the command, not another launch
-    env.update(shutdown_timeout_env())
-    with patch_environment(**env):
-        try:
-            launch_command(args)
-        except Exception as e:  # the launcher's own rendezvous (before any process starts) failed
-            import torch.distributed as dist
+    import shutil
+    import tempfile
 
-            stopped = stopped_by_signal(e)
-            if stopped is not None:  # a process was signalled (not the launcher): all saved and stopped
-                print(f"trl-flow {command}: {cli_form(stopped_note(stopped), _field_names(command))}",
-                      file=sys.stderr, flush=True)
-                raise SystemExit(stopped) from None
-            if not isinstance(e, dist.DistError):
-                raise
-            raise CLIError(_rendezvous_error(args, config_file, e)) from e
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    errors = tempfile.mkdtemp(prefix="trl_flow_errors_")
+    # the started processes run the command, not another launch, and leave their error lines for this one to print
+    env = {_CHILD_ENV: "1", _ERRORS_ENV: errors}
+    env.update(shutdown_timeout_env())
+    env.update(cpu_env(command))
+    import logging
+
+    # torch's launcher logs "failed (exitcode: N) local_rank: ..." for each failed process: _children_error says it
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    try:
+        with patch_environment(**env):
+            try:
+                launch_command(args)
+            except ChildFailedError as e:
+                stopped = stopped_by_signal(e)
+                if stopped is not None:  # a process was signalled (not the launcher): all saved and stopped
+                    print(f"trl-flow {command}: {cli_form(stopped_note(stopped), _field_names(command))}",
+                          file=sys.stderr, flush=True)
+                    raise SystemExit(stopped) from None
+                raise _children_error(e, errors) from None  # each process's error once, not the traceback
+            except Exception as e:  # the launcher's own rendezvous (before any process starts) failed
+                import torch.distributed as dist
+
+                if not isinstance(e, dist.DistError):
+                    raise
+                raise CLIError(_rendezvous_error(args, config_file, e)) from e
+    finally:
+        shutil.rmtree(errors, ignore_errors=True)
+
+
+#: Where the processes of a `--accelerate_config` launch write their one-line errors (a folder; one file a rank).
+_ERRORS_ENV = "TRL_FLOW_ERRORS_DIR"
+
+
+class ChildrenFailed(CLIError):
+    """Processes of a launch failed; ``status`` is the exit status of the first that did."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
+def _children_error(error, folder: str) -> ChildrenFailed:
+    """The failed processes' own error lines (written to ``folder``), each distinct line once; else their exit
+    codes (a crash: their output above says more)."""
+    failures = sorted(error.failures.items())
+    status = next((f.exitcode for _, f in failures if f.exitcode and f.exitcode > 0), 1)
+    lines = {}
+    for name in sorted(os.listdir(folder), key=lambda n: int(n) if n.isdigit() else n):
+        with open(os.path.join(folder, name), encoding="utf-8") as f:
+            lines.setdefault(f.read().strip(), []).append(name)
+    if not lines:
+        said = ", ".join(f"process {rank} exit code {f.exitcode}" for rank, f in failures)
+        return ChildrenFailed(f"{said}; see its output above", status)
+    if len(lines) == 1:
+        return ChildrenFailed(next(iter(lines)), status)
+    return ChildrenFailed("; ".join(f"process {', '.join(ranks)}: {line}" for line, ranks in lines.items()), status)
+
+
+def _has_accelerator() -> bool:
+    import torch
+
+    if torch.cuda.is_available():
+        return True
+    import accelerate.utils as au
+
+    for name in ("is_xpu_available", "is_npu_available", "is_mlu_available", "is_hpu_available", "is_musa_available"):
+        check = getattr(au, name, None)
+        try:
+            if check is not None and check():
+                return True
+        except Exception:  # a probe of a device library that is broken here: not that device
+            pass
+    return False
+
+
+def cpu_env(command: str) -> dict[str, str]:
+    """``ACCELERATE_USE_CPU=true`` for a launch on a machine without GPUs (accelerate would otherwise set up no
+    process group: each process would train alone), said in one line; nothing when the variable is set already
+    (``ACCELERATE_USE_CPU=false`` keeps accelerate's own choice) or a GPU is found."""
+    if os.environ.get("ACCELERATE_USE_CPU") is not None or _has_accelerator():
+        return {}
+    print(f"trl-flow {command}: no GPU found: the processes run on the CPU (gloo), ACCELERATE_USE_CPU=true",
+          file=sys.stderr, flush=True)
+    return {"ACCELERATE_USE_CPU": "true"}
 
 
 def stopped_by_signal(error: BaseException) -> int | None:
@@ -491,6 +702,7 @@ def run(command: str, argv: list[str]):
     """Run a trainer subcommand: parse, check rewards and prompts, load the pipeline, train, save. Returns the
     trainer (``None`` when the work ran in processes started by ``accelerate launch``). In a process of a
     multi-process launch the process group is destroyed by then (:func:`.engine.distributed.end_processes`)."""
+    argv = trl_names(command, argv)  # once, here: the processes of a launch get our names
     script_args, config, launch_args = parse_args(command, argv)
     _STARTED["output_dir"] = config.output_dir
     if script_args.accelerate_config and not os.environ.get(_CHILD_ENV):
@@ -559,6 +771,17 @@ def _top_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _report(command: str, message: str) -> None:
+    """Print ``trl-flow <command>: error: <message>``; in a process of a `--accelerate_config` launch, leave it to
+    the launching command instead, which prints each distinct error once (:func:`_children_error`)."""
+    folder = os.environ.get(_ERRORS_ENV) if os.environ.get(_CHILD_ENV) else None
+    if folder and os.path.isdir(folder):
+        with open(os.path.join(folder, os.environ.get("RANK", "0")), "w", encoding="utf-8") as f:
+            f.write(message)
+        return
+    print(f"trl-flow {command}: error: {message}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry point of ``trl-flow``. Returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -580,8 +803,8 @@ def main(argv: list[str] | None = None) -> int:
             return server.main(rest) or 0
         run(command, rest)
     except CLIError as e:
-        print(f"trl-flow {command}: error: {cli_form(e, _field_names(command))}", file=sys.stderr)
-        return 2
+        _report(command, cli_form(e, _field_names(command)))
+        return getattr(e, "status", 2)
     except KeyboardInterrupt as e:  # the trainer's message says what is on disk (a checkpoint, or none)
         said = cli_form(e if str(e) else interrupted_note(), _field_names(command))
         print(f"trl-flow {command}: interrupted; {said}", file=sys.stderr)
@@ -591,7 +814,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         # a ValueError is a check of the input, which names the field; other types say what failed where
         note = "" if type(e) is ValueError else f" [{type(e).__name__}; TRL_FLOW_TRACEBACK=1 shows the traceback]"
-        print(f"trl-flow {command}: error: {cli_form(e, _field_names(command))}{note}", file=sys.stderr)
+        _report(command, f"{cli_form(e, _field_names(command))}{note}")
         return 2 if isinstance(e, ValueError) else 1
     return 0
 

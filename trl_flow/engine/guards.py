@@ -18,8 +18,8 @@ NO_REWARD_WARN_AFTER = 3
 # ------------------------------------------------------------------------------------------- launch, batch
 def check_launch(accelerator) -> None:
     """A launcher that started several processes (WORLD_SIZE > 1) must give accelerate as many: on a machine without
-    GPUs accelerate otherwise runs independent single-process copies that write into one output_dir. A run on
-    several processes says so once."""
+    GPUs accelerate otherwise runs independent single-process copies that write into one output_dir. (The start-up
+    line of :func:`trl_flow.engine.distributed.startup_line` says how many processes a run has.)"""
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world > 1 and accelerator.num_processes == 1:
         raise RuntimeError(
@@ -28,9 +28,6 @@ def check_launch(accelerator) -> None:
             f"--nproc_per_node {world} train.py ...` or `ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu "
             f"--num_processes {world} train.py ...`"
         )
-    if accelerator.num_processes > 1:  # said once (the main process prints), not once per process
-        accelerator.print(f"Training on {accelerator.num_processes} processes "
-                          f"({getattr(accelerator.distributed_type, 'value', accelerator.distributed_type)})")
 
 
 def _nearest(value: int, ok) -> list[int]:
@@ -80,6 +77,22 @@ def remove_adapter(transformer) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- prompts
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a ``warnings.warn`` in the calling function point at the user's code: the first
+    frame outside trl_flow and torch (``torch.no_grad``'s wrapper, torch/utils/_contextlib.py, sits between a
+    trainer's ``encode`` and its caller)."""
+    import os
+    import sys
+
+    import torch
+
+    skip = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (sys.modules["trl_flow"], torch))
+    frame, level = sys._getframe(1), 1  # level 1: the function that calls warnings.warn
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(skip):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 class LongPromptWarning:
     """Warn once per trainer when a prompt is longer than a text encoder's limit (the pipeline cuts it there), naming
     its dataset row, and silence the pipeline's own warning, which it repeats at every encode. The limits and the
@@ -111,7 +124,7 @@ class LongPromptWarning:
                     f"{len(long)} of {len(distinct)} distinct prompts in this batch exceed the {limit}-token limit of "
                     f"pipe.{name} and are cut there by the pipeline: e.g. {self._where(first, prompts)}, "
                     f"{lengths[long[0]]} tokens: {first[:80]!r}. {fix} Reported once per trainer.",
-                    UserWarning, stacklevel=3)
+                    UserWarning, stacklevel=user_stacklevel())
                 return
 
     def _where(self, prompt: str, prompts: list[str]) -> str:

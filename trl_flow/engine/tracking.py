@@ -5,7 +5,15 @@ Everything goes through the accelerate trackers the trainer was built with (``re
 ``wandb.Image(..., caption=...)`` and ``wandb.Histogram``. Other trackers get the scalar metrics only.
 
 Tags: ``images/<split>`` (+ ``images/<split>/captions`` on tensorboard), ``hist/<split>/reward`` and
-``hist/<split>/rewards/<reward name>``, where split is ``train`` (the rollout) or ``eval``.
+``hist/<split>/rewards/<reward name>``, where split is ``train`` (the rollout) or ``eval``. Scalars go to the
+trackers as TRL's trainers log them (:func:`tracker_metrics`): ``train/<name>`` (``train/reward``, ``train/loss``,
+``train/time/rollout_s``) and ``eval/<name>``; ``output_dir/log_history.jsonl`` keeps the names unprefixed, as
+``trainer.state.log_history``. Tensorboard's event files are written to ``output_dir/<run_name>/`` (accelerate's
+``project_dir`` and the tracker's run name; default run name: the method's, e.g. ``flow_grpo``).
+
+The image grids in ``output_dir/samples/`` (``train_step_<n>.png`` every ``log_images_steps``, ``eval_step_<n>.png``
+at each evaluation) get a caption file beside them, ``<grid>.txt``: one line per image, in the grid's order (rows of
+8), with its prompt and rewards (:func:`write_captions`).
 """
 
 from __future__ import annotations
@@ -25,6 +33,29 @@ def captions(prompts: list[str], rewards: torch.Tensor, per_func: dict[str, torc
         text = f"{prompt} | reward {float(rewards[i]):.4g}"
         out.append(f"{text} ({parts})" if len(per_func) > 1 else text)
     return out
+
+
+def tracker_metrics(entry: dict) -> dict:
+    """A log entry's scalars as the trackers get them: ``eval/...`` as they are, the others under ``train/``
+    (TRL's layout: ``train/reward``, ``eval/reward``); ``step`` is left out (it is the tracker's step)."""
+    return {k if k.startswith("eval/") else f"train/{k}": v for k, v in entry.items() if k != "step"}
+
+
+def write_captions(accelerator, output_dir: str, filename: str, prompts: list[str], rewards: torch.Tensor,
+                   per_func: dict[str, torch.Tensor], n: int = 64, cols: int = 8) -> None:
+    """``output_dir/samples/<filename>`` beside the grid of the same name (``.png`` -> ``.txt``): one line per image
+    of the grid (its first ``n``), ``row r, column c: <prompt> | reward 0.512 (...)``. Main process only."""
+    import os
+
+    if not accelerator.is_main_process or not len(prompts):
+        return
+    n = min(n, len(prompts))
+    texts = captions(prompts[:n], rewards[:n], {k: v[:n] for k, v in per_func.items()})
+    folder = os.path.join(output_dir, "samples")
+    os.makedirs(folder, exist_ok=True)
+    cols = min(cols, n)
+    with open(os.path.join(folder, os.path.splitext(filename)[0] + ".txt"), "w", encoding="utf-8") as f:
+        f.writelines(f"row {i // cols}, column {i % cols}: {t}\n" for i, t in enumerate(texts))
 
 
 def log_images(accelerator, split: str, images: torch.Tensor, prompts: list[str], rewards: torch.Tensor,
@@ -79,6 +110,10 @@ def log_rollout(trainer, rollout, step: int) -> None:
     """Called by the trainer after every iteration (on every process: the rewards are gathered). Histograms on
     logging steps, images every ``log_images_steps``."""
     cfg = trainer.config
+    if cfg.log_images_steps and step % cfg.log_images_steps == 0 and rollout.images is not None \
+            and rollout.images.ndim == 4:  # the captions of the trainer's samples/train_step_<step>.png
+        write_captions(trainer.accelerator, cfg.output_dir, f"train_step_{step}.png", rollout.prompts,
+                       rollout.rewards, rollout.rewards_per_func)
     if not cfg.report_to:
         return
     if step % cfg.logging_steps == 0 or step == cfg.max_steps:
@@ -91,6 +126,9 @@ def log_rollout(trainer, rollout, step: int) -> None:
 
 def log_eval(trainer, images, prompts, rewards, per_func, all_rewards, all_per_func, step: int) -> None:
     """Called by ``evaluate``: this process's images and scores, and the gathered ones for the histograms."""
+    if images is not None and images.ndim == 4:  # the captions of the trainer's samples/eval_step_<step>.png
+        write_captions(trainer.accelerator, trainer.config.output_dir, f"eval_step_{step}.png", prompts, rewards,
+                       per_func)
     if not trainer.config.report_to or not trainer.accelerator.trackers:
         return
     log_histograms(trainer.accelerator, "eval", all_rewards, all_per_func, step)

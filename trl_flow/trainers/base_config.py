@@ -15,6 +15,7 @@ from ..config_fields import meta
 from ..advantages import SCALE_REWARDS
 from ..kernels import SAMPLERS
 from ..memory import OFFLOAD_MODES
+from .trl_compat import AcceptsTrlNames
 
 
 GUIDANCE_GRADS = ("cond_only", "both")
@@ -35,7 +36,7 @@ EXPERTS = ("all", "high_noise", "low_noise")
 SOURCE_IMAGE_SIZES = ("auto", "source", "output")
 
 @dataclass
-class FlowRLConfig:
+class FlowRLConfig(metaclass=AcceptsTrlNames):  # TRL's GRPOConfig names (epsilon, num_iterations): trl_compat.py
     # ---- run ---------------------------------------------------------------------------------------------------
     output_dir: str = field(default="trl_flow_output", metadata=meta("harmless",
         "Where checkpoints, samples and the final LoRA are written."))
@@ -215,8 +216,9 @@ class FlowRLConfig:
     logging_steps: int = field(default=1, metadata=meta("harmless", "Log metrics every this many iterations."))
     log_images_steps: int = field(default=0, metadata=meta("harmless",
         "Write a grid of rollout images to output_dir/samples every this many iterations; 0 disables."))
-    report_to: list[str] | str = field(default="none", metadata=meta("harmless",
-        "Trackers for accelerate: none, all, wandb, tensorboard, or a list."))
+    report_to: list[str] | str = field(default_factory=list, metadata=meta("harmless",
+        "Trackers: none (the default, []), all, wandb, tensorboard, or a list; tensorboard writes to "
+        "output_dir/<run_name>."))
     save_steps: int = field(default=0, metadata=meta("harmless",
         "Save a resumable checkpoint (accelerate save_state) every this many iterations; 0 disables."))
     save_total_limit: int | None = field(default=None, metadata=meta("harmless",

@@ -29,7 +29,7 @@ from ..rollout import Rollout, sample_trajectories, step_samplers
 from ..engine import checkpoints, distributed, guards, model_setup, prompt_encoding, tracking, train_loop
 from ..engine import output_dir as run_dir
 from ..engine import callbacks as callbacks_engine
-from ..models.loading import load_model
+from . import trl_compat
 from .base_config import FlowRLConfig
 from ..engine.checkpoints import TrainerState
 from ..storage import LORA_WEIGHT_NAME  # noqa: F401  (re-exported)
@@ -86,9 +86,12 @@ class FlowRLTrainer:
     rollout_store = "trajectory"
 
     # ------------------------------------------------------------------------------------------------ set-up
-    def __init__(self, config, pipe, reward_funcs, train_dataset=None, eval_dataset=None, callbacks=None):
-        if not isinstance(config, self.config_class):
-            raise TypeError(f"config: expected a {self.config_class.__name__}, got {type(config).__name__}")
+    def __init__(self, config=None, pipe=None, reward_funcs=None, train_dataset=None, eval_dataset=None, *,
+                 model=None, args=None, peft_config=None, callbacks=None, **kwargs):
+        # Our form (config, pipe, reward_funcs) or TRL's (model=, reward_funcs=, args=, peft_config=): trl_compat.py.
+        # Also applies peft_config and the model's own sampling settings to a copy of the config.
+        config, pipe, reward_funcs = trl_compat.resolve_init_args(
+            self, config, pipe, reward_funcs, model=model, args=args, peft_config=peft_config, kwargs=kwargs)
         self.config = config
         run_dir.check_writable(config.output_dir)  # before any compute: the run's outputs must be saveable
         self.reward_funcs, self.reward_names, self.reward_weights = validate_reward_funcs(
@@ -100,7 +103,6 @@ class FlowRLTrainer:
         self.eval_dataset = check_prompt_dataset(eval_dataset, "eval_dataset") if eval_dataset is not None else None
         if config.eval_steps and self.eval_dataset is None:
             raise ValueError("eval_steps > 0 needs an eval_dataset; pass one or set eval_steps=0")
-        pipe = load_model(pipe, config)  # a model id or folder: loaded with model_init_kwargs (or a clear error)
         self.adapter = get_adapter(pipe)  # a pipeline, or an adapter built with options (e.g. FluxAdapter(pipe, ...))
         for name, default, who in (("experts", "all", "Wan2.2-A14B's two experts"),  # fields one family reads
                                    ("guidance_scale_2", None, "Wan2.2-A14B's two experts"),
@@ -534,7 +536,7 @@ class FlowRLTrainer:
         entry = {"step": step, **{k: float(v) for k, v in metrics.items()}}
         self.state.log_history.append(entry)
         if self.config.report_to:
-            self.accelerator.log({k: v for k, v in entry.items() if k != "step"}, step=step)
+            self.accelerator.log(tracking.tracker_metrics(entry), step=step)  # train/..., eval/... as TRL
         if self.accelerator.is_main_process:
             os.makedirs(self.config.output_dir, exist_ok=True)
             run_dir.write_log(os.path.join(self.config.output_dir, run_dir.LOG_NAME), [entry])

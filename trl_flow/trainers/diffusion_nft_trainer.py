@@ -129,14 +129,13 @@ class DiffusionNFTTrainer(FlowRLTrainer):
     paper = "DiffusionNFT, arXiv 2509.16117"
     rollout_store = "final"  # the loss needs the final latents only
 
-    def __init__(self, config, pipe, reward_funcs, train_dataset=None, eval_dataset=None, callbacks=None):
+    def __init__(self, config=None, pipe=None, reward_funcs=None, train_dataset=None, eval_dataset=None, **kwargs):
         if distributed.requested() is not None:  # before any set-up
             raise distributed.DistributedSetupError(
                 f"DiffusionNFTTrainer under {distributed.requested()}: not supported (its old policy is swapped into "
                 "the parameters for its forward passes, which has not been checked with sharded parameters). Fix: "
                 "--accelerate_config multi_gpu (DDP), or one process")
-        super().__init__(config, pipe, reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                         callbacks=callbacks)
+        super().__init__(config, pipe, reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset, **kwargs)
         self.old_params = [p.detach().clone() for p in self.trainable_params]  # old policy = current at start
         self.nft_optimizer_steps = 0
         self.old_decay = 0.0

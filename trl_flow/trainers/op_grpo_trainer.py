@@ -65,10 +65,10 @@ class OPGRPOTrainer(FlowGRPOTrainer):
     uneven_forwards = True
     paper = "OP-GRPO, arXiv 2604.04142"
 
-    def __init__(self, config, pipe, reward_funcs, train_dataset=None, eval_dataset=None,
-                 replay_buffer: ReplayBuffer | None = None, callbacks=None):
-        super().__init__(config, pipe, reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                         callbacks=callbacks)
+    def __init__(self, config=None, pipe=None, reward_funcs=None, train_dataset=None, eval_dataset=None,
+                 replay_buffer: ReplayBuffer | None = None, **kwargs):
+        super().__init__(config, pipe, reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset, **kwargs)
+        config = self.config  # as resolved (TRL's call form, peft_config, the model's own settings)
         self.weight_placement = config.importance_weight_placement
         self.replay_buffer = replay_buffer if replay_buffer is not None else ReplayBuffer(
             capacity=config.buffer_capacity, decay=config.buffer_decay, sampling=config.buffer_sampling,

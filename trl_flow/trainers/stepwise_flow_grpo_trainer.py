@@ -99,9 +99,9 @@ class StepwiseFlowGRPOTrainer(FlowGRPOTrainer):
     paper = "Stepwise-Flow-GRPO, arXiv 2603.28718"
     keep_velocities = True  # the first Euler substep of every estimate reuses the rollout's velocity
 
-    def __init__(self, config, pipe, reward_funcs, train_dataset=None, eval_dataset=None, callbacks=None):
-        super().__init__(config, pipe, reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                         callbacks=callbacks)
+    def __init__(self, config=None, pipe=None, reward_funcs=None, train_dataset=None, eval_dataset=None, **kwargs):
+        super().__init__(config, pipe, reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset, **kwargs)
+        config, pipe = self.config, self.pipe  # as resolved (TRL's call form, peft_config, the model's own settings)
         # Substeps evaluate the model at sigmas off the rollout's schedule: timestep = sigma * scale, as the
         # flow-matching schedulers build their timesteps. Checked on the real schedule, before any model compute.
         schedule = self.adapter.schedule(config.num_inference_steps, config.height, config.width)
