@@ -1,12 +1,14 @@
-"""The adapter contract (docs/adding_a_model.md, steps 4 to 6), one parametrisation over the families added since
-diffusers 0.41: the ``ode`` rollout is ``pipe(..., output_type="latent")`` bit for bit (guidance on and off) and its
-decode the pipeline's pixels; every exported trainer trains one iteration; the saved LoRA loads through the
+"""The adapter contract (docs/adding_a_model.md, steps 4 to 6), one parametrisation over the registered families
+(``registered_adapters()``; a family without a row fails ``test_every_registered_adapter_has_a_row``): the ``ode``
+rollout is ``pipe(..., output_type="latent")`` bit for bit (guidance on and off, or the row's cases) and its decode
+the pipeline's pixels; every registered trainer trains one iteration; the saved LoRA loads through the
 pipeline's own ``load_lora_weights`` and samples exactly as the trained pipeline; a bad size is refused before any
 compute. A family is one :class:`Family` row of ``FAMILIES``; what is particular to a family is in its own file.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -14,9 +16,9 @@ import pytest
 import torch
 from conftest import EDIT_PROMPTS, MAX_SEQ, PROMPTS
 from conftest import source_image as source
-from test_models_families import exported_trainers
 
-from trl_flow.models import get_adapter
+import trl_flow
+from trl_flow.models import get_adapter, registered_adapters
 from trl_flow.rollout import sample_trajectories
 
 
@@ -26,6 +28,7 @@ class Family:
 
     name: str
     make_pipe: Callable  # () -> a tiny pipeline
+    pipeline: str  # its class name, as registered_adapters() lists it
     adapter_class: str  # the adapter get_adapter must pick
     height: int = 32
     width: int = 48  # non-square: a swapped height / width shows
@@ -46,6 +49,19 @@ class Family:
     bad_sizes: tuple = ()  # (config overrides, message) refused before any compute
     recipe: tuple[str, str] | None = None  # (GPU recipe in trl_flow/recipes, its Hub id), trained at a tiny size
     resume: bool = False  # run the resume / evaluation test (where the family stores or chooses more than the default)
+    # parity cases (id, guidance_scale, adapter options, pipe() arguments, negative embeddings expected) besides
+    # `options` / `pipe_kwargs`; () = guidance off and on
+    cases: tuple = ()
+    prompts: tuple | None = None  # the text prompts (None: conftest's PROMPTS, EDIT_PROMPTS where sources)
+    parity_prompts: int = 2  # how many prompts the parity test samples
+    latent_shape: tuple | None = None  # a sample's stored state at height x width, where the row spells it out
+    train_config: dict = field(default_factory=dict)  # the every-trainer test's config overrides (e.g. max_steps=2)
+    samples: bool = False  # the every-trainer test logs sample strips (log_images_steps) and checks the reward check
+    lora_check: Callable | None = None  # (fresh pipeline with the saved LoRA loaded) -> None, the family's targets
+
+    def parity_cases(self):
+        return self.cases or (("plain", self.guidance[0], {}, {}, self.guides_at_one),
+                              ("guided", self.guidance[1], {}, {}, True))
 
 
 def _qwen21():
@@ -84,21 +100,86 @@ def _wan_i2v(form):
 _WAN_CALL = {"num_frames": 9, "negative_prompt": "ugly"}  # adapter options and pipe() arguments alike
 _LTX2 = {"num_frames": 5, "frame_rate": 25.0, "negative_prompt": "ugly", "spatio_temporal_guidance_blocks": [1]}
 
+
+def _tiny(name, **kwargs):
+    def make():
+        import trl_flow.testing
+
+        return getattr(trl_flow.testing, f"tiny_{name}_pipeline")(**kwargs)
+
+    return make
+
+
+def _zimage_lora_targets(pipe):
+    """diffusers' Z-Image LoRA script's targets, in the refiners and the main layers."""
+    wrapped = {name.split(".lora_")[0] for name, _ in pipe.transformer.named_parameters() if ".lora_" in name}
+    assert {"to_out.0" if m.endswith("to_out.0") else m.rsplit(".", 1)[1] for m in wrapped} == {
+        "to_k", "to_q", "to_v", "to_out.0"}
+    assert any(m.startswith("noise_refiner.") for m in wrapped) and any(m.startswith("layers.") for m in wrapped)
+
+
+def _qwen_lora_targets(pipe):
+    assert set(pipe.transformer.peft_config["default_0"].target_modules) == {"to_k", "to_q", "to_v", "to_out.0"}
+
+
+# two iterations (the first ratio of each exactly 1), four prompts a step, sample strips at iteration 2
+_TWO_ITERATIONS = {"max_steps": 2, "prompts_per_step": 4, "log_images_steps": 2}
+_ZIMAGE_PROMPTS = ("a cat", "a red dog with a hat", "a blue car", "green sky over a very long road")  # 24 to 50 tokens
+
 FAMILIES = [
-    Family("wan21-i2v", _wan_i2v("2.1"), "WanImageToVideoAdapter", options=_WAN_CALL, pipe_kwargs=_WAN_CALL,
-           config={"num_frames": 5}, sources=True,
+    Family("sd3", _tiny("sd3"), "StableDiffusion3Pipeline", "SD3Adapter", latent_shape=(4, 16, 24), output="images"),
+    # FLUX.1: guidance is the distilled embedding (one pass; no negative prompt), true CFG on top where asked
+    Family("flux", _tiny("flux"), "FluxPipeline", "FluxAdapter", guidance=(1.0, 3.5), output="images",
+           pack=lambda adapter, x: adapter.pack(x), latent_shape=(4, 16, 24), parity_prompts=3,
+           cases=(("distilled", 3.5, {}, {}, False),
+                  ("true-cfg", 3.5, {"true_cfg_scale": 2.5, "negative_prompt": "ugly"},
+                   {"true_cfg_scale": 2.5, "negative_prompt": "ugly"}, True)),
+           train_config=_TWO_ITERATIONS, samples=True),
+    # Wan2.1 text-to-video (the UniPC scheduler swapped for flow-matching Euler, as training does)
+    Family("wan21", _tiny("wan"), "WanPipeline", "WanAdapter", options={"num_frames": 9},
+           pipe_kwargs={"num_frames": 9}, latent_shape=(4, 3, 4, 6), parity_prompts=3,  # F' = (9 - 1) / 4 + 1
+           cases=(("plain", 1.0, {}, {}, False),
+                  ("cfg", 4.5, {"negative_prompt": "blurry"}, {"negative_prompt": "blurry"}, True)),
+           config={"num_frames": 5}, train_config=_TWO_ITERATIONS, samples=True,
+           bad_sizes=(({"num_frames": 8}, "num_frames=8: Wan needs 4k \\+ 1"), ({"height": 40}, "multiples of 16"))),
+    # Z-Image: guides for any scale > 0 (0: Z-Image-Turbo, one pass); prompts of different lengths, padded + masked
+    Family("zimage", _tiny("zimage"), "ZImagePipeline", "ZImageAdapter", guidance=(0.0, 2.0), output="images",
+           latent_shape=(4, 16, 24), prompts=_ZIMAGE_PROMPTS, parity_prompts=3,
+           cases=(("turbo-no-cfg", 0.0, {}, {}, False), ("cfg", 2.0, {}, {}, True),
+                  ("cfg-norm-trunc", 2.0, {"negative_prompt": "ugly", "cfg_normalization": 1.0, "cfg_truncation": 0.5},
+                   {"negative_prompt": "ugly", "cfg_normalization": 1.0, "cfg_truncation": 0.5}, True)),
+           config={"max_sequence_length": 48},  # the chat template alone takes 19 byte-level tokens
+           train_config={"max_steps": 2, "prompts_per_step": 4}, lora_check=_zimage_lora_targets,
+           bad_sizes=(({"height": 34}, "height=34, width=32: must be multiples of 4"),
+                      ({"width": 256}, "height=32, width=256: this Z-Image transformer's position table covers at "
+                                       "most 128 x 128"),
+                      ({"max_sequence_length": 250}, "max_sequence_length=250: .* at most 224 tokens"))),
+    # Qwen-Image: true CFG (the negative prompt " " by default) with its norm rescaling; shift_terminal schedule
+    Family("qwen-image", _tiny("qwen_image"), "QwenImagePipeline", "QwenImageAdapter", guidance=(1.0, 4.5),
+           guidance_arg="true_cfg_scale", pipe_kwargs={"negative_prompt": " "}, output="images",
+           pack=lambda adapter, x: adapter.pack(x), latent_shape=(4, 8, 12), parity_prompts=3,
+           cases=(("plain", 1.0, {}, {}, False),
+                  ("true-cfg", 4.0, {"negative_prompt": "ugly"}, {"negative_prompt": "ugly"}, True)),
+           train_config={"max_steps": 2, "prompts_per_step": 4}, lora_check=_qwen_lora_targets,
+           bad_sizes=(({"height": 36}, "height=36, width=32: must be multiples of 8"),
+                      ({"width": 65536}, "rotary embedding has 4096 positions"),
+                      ({"max_sequence_length": 2048}, "max_sequence_length=2048: QwenImagePipeline takes at most "
+                                                      "1024"))),
+    Family("wan21-i2v", _wan_i2v("2.1"), "WanImageToVideoPipeline", "WanImageToVideoAdapter", options=_WAN_CALL,
+           pipe_kwargs=_WAN_CALL, config={"num_frames": 5}, sources=True,
            bad_sizes=(({"height": 40}, "multiples of 16"), ({"num_frames": 8}, "num_frames=8: Wan needs 4k \\+ 1"))),
-    Family("wan22-i2v-a14b", _wan_i2v("2.2"), "WanImageToVideoAdapter", options=_WAN_CALL, pipe_kwargs=_WAN_CALL,
-           config={"num_frames": 5}, sources=True, resume=True,  # two experts' LoRA files and the condition
+    Family("wan22-i2v-a14b", _wan_i2v("2.2"), "WanImageToVideoPipeline", "WanImageToVideoAdapter", options=_WAN_CALL,
+           pipe_kwargs=_WAN_CALL, config={"num_frames": 5}, sources=True,
+           resume=True,  # two experts' LoRA files and the condition
            bad_sizes=(({"width": 24}, "multiples of 16"), ({"num_frames": 6}, "num_frames=6: Wan needs 4k \\+ 1")),
            recipe=("wan22_i2v_a14b_flow_grpo", "Wan-AI/Wan2.2-I2V-A14B-Diffusers")),
     # Qwen-Image 2.1: 64 px wide (multiples of 32); parity without the pipeline's KV cache (test_models_qwen_image21)
-    Family("qwen-image-2.1", _qwen21, "QwenImage21Adapter", width=64, guidance=(1.0, 4.0),
+    Family("qwen-image-2.1", _qwen21, "QwenImage21Pipeline", "QwenImage21Adapter", width=64, guidance=(1.0, 4.0),
            guidance_arg="true_cfg_scale", takes_max_sequence_length=False,
            options={"negative_prompt": "ugly"}, pipe_kwargs={"negative_prompt": "ugly", "use_kv_cache": False},
            output="images", pack=lambda adapter, x: adapter.pack(x), pixels=lambda d: d[:, :3],
            config={"max_sequence_length": 64}, bad_sizes=(({"height": 48}, "multiples of 32"),)),
-    Family("qwen-image-2.1-edit", _qwen21, "QwenImage21Adapter", width=64, guidance=(1.0, 4.0),
+    Family("qwen-image-2.1-edit", _qwen21, "QwenImage21Pipeline", "QwenImage21Adapter", width=64, guidance=(1.0, 4.0),
            guidance_arg="true_cfg_scale", takes_max_sequence_length=False,
            options={"negative_prompt": "ugly", "conditions_on_source": True, "output_resolution": 32},
            pipe_kwargs={"negative_prompt": "ugly", "use_kv_cache": False, "output_resolution": 32},
@@ -108,7 +189,8 @@ FAMILIES = [
            bad_sizes=(({"width": 40}, "multiples of 32"),),
            recipe=("qwen_image21_flow_grpo", "Qwen/Qwen-Image-2.1")),
     # HunyuanVideo-1.5: the guidance is the pipeline's guider; its VAE decodes one video at a time
-    Family("hunyuan-video-1.5", _hunyuan15, "HunyuanVideo15Adapter", options={"num_frames": 5, "negative_prompt": "x"},
+    Family("hunyuan-video-1.5", _hunyuan15, "HunyuanVideo15Pipeline", "HunyuanVideo15Adapter",
+           options={"num_frames": 5, "negative_prompt": "x"},
            pipe_kwargs={"num_frames": 5, "negative_prompt": "x"}, guidance_arg=None, set_guidance=_set_guider,
            takes_max_sequence_length=False, batches_of_one=True, config={"num_frames": 5},
            bad_sizes=(({"height": 40}, "multiples of 16"),
@@ -116,14 +198,31 @@ FAMILIES = [
            recipe=("hunyuan_video15_t2v_flow_grpo", "hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v")),
     # LTX-2: the state is the video and audio latents together; pipe()'s guidance defaults (audio CFG, STG on block
     # 1 of the tiny transformer, modality isolation, rescale); the pipeline takes sizes in multiples of 32
-    Family("ltx-2", _ltx2, "LTX2Adapter", width=64, guidance=(1.0, 3.0), options=_LTX2, pipe_kwargs=_LTX2,
-           guides_at_one=True, resume=True,  # one flat state of two modalities
+    Family("ltx-2", _ltx2, "LTX2Pipeline", "LTX2Adapter", width=64, guidance=(1.0, 3.0), options=_LTX2,
+           pipe_kwargs=_LTX2, guides_at_one=True, resume=True,  # one flat state of two modalities
            train_options={k: v for k, v in _LTX2.items() if k not in ("num_frames", "negative_prompt")},
            output="frames", pack=lambda adapter, x: adapter.pipe_latents(x)[0], config={"num_frames": 5},
            bad_sizes=(({"height": 48}, "multiples of 32"), ({"num_frames": 4}, "num_frames=4: LTX-2 needs 2k \\+ 1")),
            recipe=("ltx2_t2v_flow_grpo", "Lightricks/LTX-2")),
 ]
 IDS = [f.name for f in FAMILIES]
+TRAINERS = sorted(set(trl_flow.registered_trainers().values()), key=lambda c: c.__name__)
+# registered families whose shared checks are still in their own test file (fold each into FAMILIES, then drop it)
+NOT_YET = {
+    "Flux2Pipeline": "test_models_flux2.py", "Flux2KleinPipeline": "test_models_flux2.py",
+    "FluxKontextPipeline": "test_models_flux_kontext.py", "QwenImageEditPipeline": "test_models_qwen_image_edit.py",
+    "QwenImageEditPlusPipeline": "test_models_qwen_image_edit.py",
+}
+
+
+def test_every_registered_adapter_has_a_row():
+    """Each registered pipeline class has a row naming its adapter (or is listed, with its own file, in NOT_YET): a
+    new family without a row fails here."""
+    registered = registered_adapters()
+    rows = {f.pipeline: f.adapter_class for f in FAMILIES}
+    assert not set(rows) & set(NOT_YET)
+    assert set(rows) | set(NOT_YET) == set(registered), sorted(set(registered) - set(rows) - set(NOT_YET))
+    assert all(registered[pipeline] == adapter for pipeline, adapter in rows.items())
 
 
 @pytest.fixture(autouse=True)
@@ -135,44 +234,46 @@ def _quiet_scheduler_swap(monkeypatch):
 
 
 def _prompts(family):
-    return EDIT_PROMPTS if family.sources else PROMPTS
+    return list(family.prompts or (EDIT_PROMPTS if family.sources else PROMPTS))
 
 
-def _call(family, prompts, src, K, guidance_scale, height, width):
-    """pipe()'s keyword arguments for these prompts (one source for all of them where the family takes one)."""
+def _call(family, prompts, src, K, guidance_scale, height, width, **extra):
+    """pipe()'s keyword arguments for these prompts (one source for all of them where the family takes one); fresh
+    lists every call (Z-Image templates its prompt lists in place)."""
     call = dict(prompt=list(prompts), height=height, width=width, num_inference_steps=K)
     if family.guidance_arg is not None:
         call[family.guidance_arg] = guidance_scale
     if family.takes_max_sequence_length:
-        call["max_sequence_length"] = MAX_SEQ
-    for k, v in family.pipe_kwargs.items():
+        call["max_sequence_length"] = family.config.get("max_sequence_length", MAX_SEQ)
+    for k, v in {**family.pipe_kwargs, **extra}.items():
         call[k] = [v] * len(prompts) if k == "negative_prompt" else v  # (LTX-2 guides its audio even at 1)
     if family.sources:
         call["image"] = src
     return call
 
 
-def _adapter(family, pipe, height, width):
-    options = dict(family.options)
+def _adapter(family, pipe, height, width, **extra):
+    options = {**family.options, **extra}
     if family.sources:
         options["output_size"] = (height, width)
     return get_adapter(pipe, **options)
 
 
 # ------------------------------------------------------------------------------------------- pipeline parity
-@pytest.mark.parametrize("guided", [False, True], ids=["plain", "guided"])
-@pytest.mark.parametrize("family", FAMILIES, ids=IDS)
-def test_ode_rollout_reproduces_pipeline_exactly(family, guided):
+@pytest.mark.parametrize("family,case", [(f, c) for f in FAMILIES for c in f.parity_cases()],
+                         ids=[f"{f.name}-{c[0]}" for f in FAMILIES for c in f.parity_cases()])
+def test_ode_rollout_reproduces_pipeline_exactly(family, case):
     """From the same noise, the `ode` kernel over the adapter's schedule ends exactly where pipe() ends, and decode
     is exactly the pipeline's output_type="pt" output; a source of another size and aspect ratio than the output
     (40 x 24 px) where the family takes one."""
+    _, g, case_options, case_kwargs, negative = case
     pipe = family.make_pipe()
+    assert type(pipe).__name__ == family.pipeline
     H, W, K = family.height, family.width, 4
-    adapter = _adapter(family, pipe, H, W)
+    adapter = _adapter(family, pipe, H, W, **case_options)
     assert type(adapter).__name__ == family.adapter_class
-    g = family.guidance[guided]
     max_seq = family.config.get("max_sequence_length", MAX_SEQ)
-    prompts = _prompts(family)[:2]
+    prompts = _prompts(family)[:family.parity_prompts]
     # an image-conditioned sample is encoded alone (its conditioning must not depend on its batch): one pipe() call
     # per prompt; a text family's batch is encoded as pipe() encodes it
     batches = [[p] for p in prompts] if family.sources or family.batches_of_one else [prompts]
@@ -182,20 +283,24 @@ def test_ode_rollout_reproduces_pipeline_exactly(family, guided):
     schedule = adapter.schedule(K, H, W)
     assert schedule.num_steps == K and float(schedule.sigmas[0]) == 1.0 and float(schedule.sigmas[-1]) == 0.0
     for seed, batch in enumerate(batches):
-        call = _call(family, batch, src, K, g, H, W)
-        expected = getattr(pipe(generator=torch.Generator().manual_seed(seed), output_type="latent", **call),
+        def call():
+            return _call(family, batch, src, K, g, H, W, **case_kwargs)
+
+        expected = getattr(pipe(generator=torch.Generator().manual_seed(seed), output_type="latent", **call()),
                            family.output)
-        decoded = getattr(pipe(generator=torch.Generator().manual_seed(seed), output_type="pt", **call),
+        decoded = getattr(pipe(generator=torch.Generator().manual_seed(seed), output_type="pt", **call()),
                           family.output)
         noise = adapter.initial_noise(len(batch), H, W, torch.Generator().manual_seed(seed))
         with torch.no_grad():  # as the trainer encodes
             images = {"images": [src] * len(batch)} if family.sources else {}
             embeds = adapter.encode_prompts(batch, g > 1, max_seq, **images)
-        assert any(k.startswith("negative_") for k in embeds) == (g > 1 or family.guides_at_one)
+        assert any(k.startswith("negative_") for k in embeds) == negative
         traj = sample_trajectories(adapter, adapter.trainable_module(), embeds, noise, schedule, ["ode"] * K, 0.0, g,
                                    batch_size=len(batch))
         final = traj["states"][:, -1]
+        assert torch.equal(traj["states"][:, 0], noise)
         assert final.shape == (len(batch), *adapter.latent_shape(H, W))
+        assert family.latent_shape is None or final.shape[1:] == family.latent_shape
         assert torch.equal(family.pack(adapter, final) if family.pack else final, expected)
         with torch.no_grad():
             ours = adapter.decode(final)
@@ -206,7 +311,7 @@ def test_ode_rollout_reproduces_pipeline_exactly(family, guided):
 # ---------------------------------------------------------------------------------------- every trainer
 def _dataset(family, tmp_path):
     if not family.sources:
-        return list(PROMPTS)
+        return _prompts(family)
     from datasets import Dataset
 
     paths = []
@@ -223,38 +328,63 @@ def _config(config_class, tmp_path, family, **overrides):
         eval_num_inference_steps=3, per_device_eval_batch_size=4, guidance_scale=family.guidance[1], lora_r=4,
         lora_alpha=8, learning_rate=1e-2, clip_range=5e-2, beta=0.01, disable_tqdm=True,
     )
+    fields = {f.name for f in dataclasses.fields(config_class)}
+    kwargs = {k: v for k, v in kwargs.items() if k in fields}  # DiffusionNFT (the run layer) has no clip_range
     kwargs.update(family.config)
     kwargs.update(overrides)
     return config_class(**kwargs)
+
+
+def _has_ratio(config_class):
+    """A policy-gradient trainer (a likelihood ratio, ratio_first_max_dev logged); DiffusionNFT has none."""
+    from trl_flow.trainers.policy_gradient_config import PolicyGradientConfig
+
+    return issubclass(config_class, PolicyGradientConfig)
 
 
 def _brightness(images, prompts, **columns):
     return images.mean(dim=tuple(range(1, images.ndim)))
 
 
-@pytest.mark.parametrize("trainer_class", exported_trainers(), ids=lambda c: c.__name__)
+def test_every_registered_trainer_is_exported():
+    assert all(getattr(trl_flow, c.__name__, None) is c for c in TRAINERS) and TRAINERS
+
+
+@pytest.mark.parametrize("trainer_class", TRAINERS, ids=lambda c: c.__name__)
 @pytest.mark.parametrize("family", FAMILIES, ids=IDS)
 def test_every_trainer_trains_one_iteration(tmp_path, family, trainer_class):
-    """One iteration with guidance: the first ratio is exactly 1 (rollout and update compute the same velocity), the
-    loss is finite, the LoRA moves; the rewards get the family's output shape (and the sources where it takes
-    them)."""
+    """One iteration with guidance (two where the row asks): the first ratio of each is exactly 1 (rollout and
+    update compute the same velocity), so is the old-vs-new kernel KL, the loss is finite, the LoRA moves; the
+    rewards get the family's output shape (and the sources where it takes them); where the row logs samples, the
+    reward check before any compute gets two samples of that shape and a strip (one file per video) is written."""
     seen = []
 
     def reward(images, prompts, **columns):
-        seen.append((tuple(images.shape[1:]), "source_image" in columns))
+        seen.append((tuple(images.shape), "source_image" in columns))
         return _brightness(images, prompts)
 
-    config = _config(trainer_class.config_class, tmp_path, family)
+    config = _config(trainer_class.config_class, tmp_path, family, **family.train_config)
     trainer = trainer_class(config, _trainer_input(family), [reward], train_dataset=_dataset(family, tmp_path))
     assert type(trainer.adapter).__name__ == family.adapter_class
+    shape = trainer.adapter.output_shape(32, 32)
+    if family.samples:
+        assert seen == [((2, *shape), family.sources)]  # the reward check before any compute
     before = [p.detach().clone() for p in trainer.trainable_params]
     state = trainer.train()
-    assert set(seen) == {(trainer.adapter.output_shape(32, 32), family.sources)}
-    (entry,) = state.log_history
-    if trainer_class.config_class.trains_on_log_probs:  # DiffusionNFT has no ratio
-        assert entry["ratio_first_max_dev"] == 0.0
-    assert torch.isfinite(torch.tensor(entry["loss"])) and entry["nonfinite_skipped"] == 0
+    assert {(s[1:], src) for s, src in seen} == {(shape, family.sources)}
+    assert len(state.log_history) == config.max_steps
+    for entry in state.log_history:
+        if _has_ratio(trainer_class.config_class):  # DiffusionNFT has no ratio
+            assert entry["ratio_first_max_dev"] == 0.0
+        assert entry.get("kl_old_first_max", 0.0) == 0.0  # old-vs-new kernel KL before the first update
+        assert torch.isfinite(torch.tensor(entry["loss"])) and entry["nonfinite_skipped"] == 0
     assert any(not torch.equal(b, p) for b, p in zip(before, trainer.trainable_params))
+    if family.samples:
+        samples = tmp_path / "out" / "samples"
+        assert (samples / f"train_step_{config.max_steps}.png").exists()
+        videos = list(samples.glob(f"train_step_{config.max_steps}_*.*"))
+        if len(shape) == 4:  # one GIF/MP4 per video
+            assert len(videos) == config.prompts_per_step * config.num_generations
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=IDS)
@@ -269,10 +399,10 @@ def test_lora_round_trips_through_the_pipelines_loader(tmp_path, family):
     out = trainer.save_model(str(tmp_path / "final"))
     fresh = family.make_pipe()
     _adapter(family, fresh, 32, 32)  # the same scheduler swap (Wan) the trained pipeline got
-    call = _call(family, _prompts(family)[:1], source(1), 3, family.guidance[1], 32, 32)
-    call.update({k: v for k, v in family.config.items() if k == "num_frames"})
+    frames = {k: v for k, v in family.config.items() if k == "num_frames"}
 
     def run(pipe):
+        call = _call(family, _prompts(family)[:1], source(1), 3, family.guidance[1], 32, 32, **frames)
         with torch.no_grad():
             return getattr(pipe(generator=torch.Generator().manual_seed(0), output_type="latent", **call),
                            family.output)
@@ -285,6 +415,8 @@ def test_lora_round_trips_through_the_pipelines_loader(tmp_path, family):
     loaded, trained = run(fresh), run(trainer.pipe)
     assert torch.equal(loaded, trained)
     assert (loaded - base).abs().max() > 1e-4  # the LoRA is not a no-op
+    if family.lora_check:
+        family.lora_check(fresh)
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f.resume], ids=[f.name for f in FAMILIES if f.resume])
