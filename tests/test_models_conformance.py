@@ -215,6 +215,14 @@ NOT_YET = {
 }
 
 
+# (test, row) over ~20 s on the 2 shared test cores (--durations): 54-60 s, 15-21 s
+SLOW = {("recipe", "hunyuan-video-1.5"), ("resume", "ltx-2")}
+
+
+def _rows(test, families):
+    return [pytest.param(f, id=f.name, marks=[pytest.mark.slow] if (test, f.name) in SLOW else []) for f in families]
+
+
 def test_every_registered_adapter_has_a_row():
     """Each registered pipeline class has a row naming its adapter (or is listed, with its own file, in NOT_YET): a
     new family without a row fails here."""
@@ -419,7 +427,7 @@ def test_lora_round_trips_through_the_pipelines_loader(tmp_path, family):
         family.lora_check(fresh)
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f.resume], ids=[f.name for f in FAMILIES if f.resume])
+@pytest.mark.parametrize("family", _rows("resume", [f for f in FAMILIES if f.resume]))
 def test_resume_repeats_an_uninterrupted_run_and_evaluates_with_the_sources(tmp_path, family):
     """3 iterations straight == 1, a checkpoint, then a fresh trainer and pipeline resumed for 2 more: every trained
     LoRA weight and the logged values bit for bit; evaluation (before the first iteration, every 2 and after the
@@ -482,7 +490,7 @@ def test_bad_size_is_refused_before_any_compute(tmp_path, family, overrides, mat
 
 
 # ---------------------------------------------------------------------------------------------------- recipes
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f.recipe], ids=[f.name for f in FAMILIES if f.recipe])
+@pytest.mark.parametrize("family", _rows("recipe", [f for f in FAMILIES if f.recipe]))
 def test_recipe_settings_train_on_the_tiny_pipeline(tmp_path, family):
     """The recipe names the real Hub id of the family's pipeline class, and its settings (LoRA targets, guidance,
     SDE window, experts) train one iteration on the tiny pipeline at a tiny size and batch; every trained component
