@@ -49,9 +49,10 @@ class Family:
     bad_sizes: tuple = ()  # (config overrides, message) refused before any compute
     recipe: tuple[str, str] | None = None  # (GPU recipe in trl_flow/recipes, its Hub id), trained at a tiny size
     resume: bool = False  # run the resume / evaluation test (where the family stores or chooses more than the default)
-    # parity cases (id, guidance_scale, adapter options, pipe() arguments, negative embeddings expected) besides
-    # `options` / `pipe_kwargs`; () = guidance off and on
+    # parity cases (id, guidance_scale, adapter options, pipe() arguments, negative embeddings expected[, transformer
+    # passes per step, counted in pipe() and in the rollout]) besides `options` / `pipe_kwargs`; () = guidance off, on
     cases: tuple = ()
+    parity_only: bool = False  # a variant of a family's pipeline checked for parity only (FLUX.2 [klein] distilled)
     prompts: tuple | None = None  # the text prompts (None: conftest's PROMPTS, EDIT_PROMPTS where sources)
     parity_prompts: int = 2  # how many prompts the parity test samples
     latent_shape: tuple | None = None  # a sample's stored state at height x width, where the row spells it out
@@ -122,6 +123,14 @@ def _qwen_lora_targets(pipe):
     assert set(pipe.transformer.peft_config["default_0"].target_modules) == {"to_k", "to_q", "to_v", "to_out.0"}
 
 
+def _flux2_lora(pipe):
+    cfg = pipe.transformer.peft_config["default_0"]
+    assert cfg.r == 4 and cfg.lora_alpha == 8 and "to_qkv_mlp_proj" in cfg.target_modules
+
+
+_FLUX2_BAD_SIZES = (({"height": 30}, "height=30, width=32: must be multiples of 4"),
+                    ({"width": 34}, "height=32, width=34: must be multiples of 4"))
+
 # two iterations (the first ratio of each exactly 1), four prompts a step, sample strips at iteration 2
 _TWO_ITERATIONS = {"max_steps": 2, "prompts_per_step": 4, "log_images_steps": 2}
 _ZIMAGE_PROMPTS = ("a cat", "a red dog with a hat", "a blue car", "green sky over a very long road")  # 24 to 50 tokens
@@ -165,6 +174,24 @@ FAMILIES = [
                       ({"width": 65536}, "rotary embedding has 4096 positions"),
                       ({"max_sequence_length": 2048}, "max_sequence_length=2048: QwenImagePipeline takes at most "
                                                       "1024"))),
+    # FLUX.2-dev: distilled guidance (the embedding, one pass); the pipeline returns the packed tokens; 40 tokens:
+    # the chat template takes about 25
+    Family("flux2", _tiny("flux2"), "Flux2Pipeline", "Flux2Adapter", guidance=(1.0, 4.0), output="images",
+           pack=lambda adapter, x: adapter.pack(x), latent_shape=(16, 8, 12), parity_prompts=3,
+           cases=(("distilled", 4.0, {}, {}, False, 1),), config={"max_sequence_length": 40},
+           train_config={"max_steps": 2, "prompts_per_step": 4}, lora_check=_flux2_lora,
+           bad_sizes=_FLUX2_BAD_SIZES),
+    # FLUX.2 [klein] base: true CFG against the empty prompt (two passes); pipe() returns the VAE's latents
+    Family("flux2-klein", _tiny("flux2_klein"), "Flux2KleinPipeline", "Flux2KleinAdapter", guidance=(1.0, 4.0),
+           output="images", pack=lambda adapter, x: adapter.unpatchify(x), latent_shape=(16, 8, 12),
+           parity_prompts=3, cases=(("cfg", 4.0, {}, {}, True, 2), ("plain", 1.0, {}, {}, False, 1)),
+           config={"max_sequence_length": 40}, train_config={"max_steps": 2, "prompts_per_step": 4},
+           lora_check=_flux2_lora, bad_sizes=_FLUX2_BAD_SIZES),
+    # step-distilled FLUX.2 [klein]: guidance ignored, one pass, no negative prompt
+    Family("flux2-klein-distilled", _tiny("flux2_klein", is_distilled=True), "Flux2KleinPipeline",
+           "Flux2KleinAdapter", output="images", pack=lambda adapter, x: adapter.unpatchify(x),
+           latent_shape=(16, 8, 12), parity_prompts=3, cases=(("guided", 4.0, {}, {}, False, 1),),
+           config={"max_sequence_length": 40}, parity_only=True),
     Family("wan21-i2v", _wan_i2v("2.1"), "WanImageToVideoPipeline", "WanImageToVideoAdapter", options=_WAN_CALL,
            pipe_kwargs=_WAN_CALL, config={"num_frames": 5}, sources=True,
            bad_sizes=(({"height": 40}, "multiples of 16"), ({"num_frames": 8}, "num_frames=8: Wan needs 4k \\+ 1"))),
@@ -206,10 +233,10 @@ FAMILIES = [
            recipe=("ltx2_t2v_flow_grpo", "Lightricks/LTX-2")),
 ]
 IDS = [f.name for f in FAMILIES]
+TRAINED = [f for f in FAMILIES if not f.parity_only]
 TRAINERS = sorted(set(trl_flow.registered_trainers().values()), key=lambda c: c.__name__)
 # registered families whose shared checks are still in their own test file (fold each into FAMILIES, then drop it)
 NOT_YET = {
-    "Flux2Pipeline": "test_models_flux2.py", "Flux2KleinPipeline": "test_models_flux2.py",
     "FluxKontextPipeline": "test_models_flux_kontext.py", "QwenImageEditPipeline": "test_models_qwen_image_edit.py",
     "QwenImageEditPlusPipeline": "test_models_qwen_image_edit.py",
 }
@@ -274,7 +301,7 @@ def test_ode_rollout_reproduces_pipeline_exactly(family, case):
     """From the same noise, the `ode` kernel over the adapter's schedule ends exactly where pipe() ends, and decode
     is exactly the pipeline's output_type="pt" output; a source of another size and aspect ratio than the output
     (40 x 24 px) where the family takes one."""
-    _, g, case_options, case_kwargs, negative = case
+    _, g, case_options, case_kwargs, negative, *passes_per_step = case
     pipe = family.make_pipe()
     assert type(pipe).__name__ == family.pipeline
     H, W, K = family.height, family.width, 4
@@ -294,8 +321,12 @@ def test_ode_rollout_reproduces_pipeline_exactly(family, case):
         def call():
             return _call(family, batch, src, K, g, H, W, **case_kwargs)
 
+        passes = []
+        hook = pipe.transformer.register_forward_hook(lambda *a: passes.append(1))
         expected = getattr(pipe(generator=torch.Generator().manual_seed(seed), output_type="latent", **call()),
                            family.output)
+        pipe_passes, passes[:] = len(passes), []
+        hook.remove()
         decoded = getattr(pipe(generator=torch.Generator().manual_seed(seed), output_type="pt", **call()),
                           family.output)
         noise = adapter.initial_noise(len(batch), H, W, torch.Generator().manual_seed(seed))
@@ -303,8 +334,12 @@ def test_ode_rollout_reproduces_pipeline_exactly(family, case):
             images = {"images": [src] * len(batch)} if family.sources else {}
             embeds = adapter.encode_prompts(batch, g > 1, max_seq, **images)
         assert any(k.startswith("negative_") for k in embeds) == negative
+        hook = pipe.transformer.register_forward_hook(lambda *a: passes.append(1))
         traj = sample_trajectories(adapter, adapter.trainable_module(), embeds, noise, schedule, ["ode"] * K, 0.0, g,
                                    batch_size=len(batch))
+        hook.remove()
+        if passes_per_step:
+            assert len(passes) == pipe_passes == K * passes_per_step[0]
         final = traj["states"][:, -1]
         assert torch.equal(traj["states"][:, 0], noise)
         assert final.shape == (len(batch), *adapter.latent_shape(H, W))
@@ -359,16 +394,18 @@ def test_every_registered_trainer_is_exported():
 
 
 @pytest.mark.parametrize("trainer_class", TRAINERS, ids=lambda c: c.__name__)
-@pytest.mark.parametrize("family", FAMILIES, ids=IDS)
+@pytest.mark.parametrize("family", TRAINED, ids=[f.name for f in TRAINED])
 def test_every_trainer_trains_one_iteration(tmp_path, family, trainer_class):
     """One iteration with guidance (two where the row asks): the first ratio of each is exactly 1 (rollout and
     update compute the same velocity), so is the old-vs-new kernel KL, the loss is finite, the LoRA moves; the
-    rewards get the family's output shape (and the sources where it takes them); where the row logs samples, the
-    reward check before any compute gets two samples of that shape and a strip (one file per video) is written."""
-    seen = []
+    rewards get the family's output shape in [0, 1] (and the sources where it takes them); where the row logs
+    samples, the reward check before any compute gets two samples of that shape and a strip (one file per video) is
+    written."""
+    seen, ranges = [], []
 
     def reward(images, prompts, **columns):
         seen.append((tuple(images.shape), "source_image" in columns))
+        ranges.append((float(images.min()), float(images.max())))
         return _brightness(images, prompts)
 
     config = _config(trainer_class.config_class, tmp_path, family, **family.train_config)
@@ -380,6 +417,7 @@ def test_every_trainer_trains_one_iteration(tmp_path, family, trainer_class):
     before = [p.detach().clone() for p in trainer.trainable_params]
     state = trainer.train()
     assert {(s[1:], src) for s, src in seen} == {(shape, family.sources)}
+    assert ranges and all(0.0 <= lo <= hi <= 1.0 for lo, hi in ranges)
     assert len(state.log_history) == config.max_steps
     for entry in state.log_history:
         if _has_ratio(trainer_class.config_class):  # DiffusionNFT has no ratio
@@ -395,7 +433,7 @@ def test_every_trainer_trains_one_iteration(tmp_path, family, trainer_class):
             assert len(videos) == config.prompts_per_step * config.num_generations
 
 
-@pytest.mark.parametrize("family", FAMILIES, ids=IDS)
+@pytest.mark.parametrize("family", TRAINED, ids=[f.name for f in TRAINED])
 def test_lora_round_trips_through_the_pipelines_loader(tmp_path, family):
     """save_model -> a fresh pipeline's load_lora_weights (the model card's snippet) -> exactly the trained
     pipeline's samples, which differ from the base pipeline's."""
@@ -479,14 +517,22 @@ def test_resume_repeats_an_uninterrupted_run_and_evaluates_with_the_sources(tmp_
                          [(f, o, m) for f in FAMILIES for o, m in f.bad_sizes],
                          ids=[f"{f.name}-{'-'.join(o)}" for f in FAMILIES for o, _ in f.bad_sizes])
 def test_bad_size_is_refused_before_any_compute(tmp_path, family, overrides, match):
+    """A ValueError naming the size, before any reward call or forward pass of any component of the pipeline."""
     from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
 
     calls = []
+    model = _trainer_input(family)
+    pipe = getattr(model, "pipe", model)
+    hooks = [module.register_forward_hook(lambda *a, name=name: calls.append(name))
+             for name, module in pipe.components.items() if isinstance(module, torch.nn.Module)]
+    assert any(name.startswith("text_encoder") for name in pipe.components) and hooks
     config = _config(FlowGRPOConfig, tmp_path, family, **overrides)
     with pytest.raises(ValueError, match=match):
-        FlowGRPOTrainer(config, _trainer_input(family), [lambda im, p, **c: calls.append(1) or [0.0] * len(p)],
+        FlowGRPOTrainer(config, model, [lambda im, p, **c: calls.append("reward") or [0.0] * len(p)],
                         train_dataset=_dataset(family, tmp_path))
-    assert calls == []
+    for hook in hooks:
+        hook.remove()
+    assert calls == []  # no reward, encoder, transformer or VAE call
 
 
 # ---------------------------------------------------------------------------------------------------- recipes
