@@ -52,6 +52,10 @@ class Family:
     # parity cases (id, guidance_scale, adapter options, pipe() arguments, negative embeddings expected[, transformer
     # passes per step, counted in pipe() and in the rollout]) besides `options` / `pipe_kwargs`; () = guidance off, on
     cases: tuple = ()
+    tokens: Callable | None = None  # (height, width, source) -> the tokens of every transformer pass (parity)
+    embeds_check: Callable | None = None  # (embeds, source) -> None: what the family's embeddings hold of a source
+    source_size: tuple | None = None  # (width, height) of every dataset source; None: four sizes
+    exact_sources: bool = False  # the rewards' source_image is each row's source resized to the output, exactly
     parity_only: bool = False  # a variant of a family's pipeline checked for parity only (FLUX.2 [klein] distilled)
     prompts: tuple | None = None  # the text prompts (None: conftest's PROMPTS, EDIT_PROMPTS where sources)
     parity_prompts: int = 2  # how many prompts the parity test samples
@@ -123,6 +127,15 @@ def _qwen_lora_targets(pipe):
     assert set(pipe.transformer.peft_config["default_0"].target_modules) == {"to_k", "to_q", "to_v", "to_out.0"}
 
 
+def _kontext_lora(pipe):
+    cfg = pipe.transformer.peft_config["default_0"]
+    assert cfg.r == 4 and cfg.lora_alpha == 8 and "ff_context.net.2" in cfg.target_modules
+
+
+def _shape_is(tensor, shape):
+    assert tuple(tensor.shape) == shape
+
+
 def _flux2_lora(pipe):
     cfg = pipe.transformer.peft_config["default_0"]
     assert cfg.r == 4 and cfg.lora_alpha == 8 and "to_qkv_mlp_proj" in cfg.target_modules
@@ -192,6 +205,19 @@ FAMILIES = [
            "Flux2KleinAdapter", output="images", pack=lambda adapter, x: adapter.unpatchify(x),
            latent_shape=(16, 8, 12), parity_prompts=3, cases=(("guided", 4.0, {}, {}, False, 1),),
            config={"max_sequence_length": 40}, parity_only=True),
+    # FLUX.1 Kontext: the source's tokens beside the generated ones in every pass; source_size="source" (the
+    # pipeline's _auto_resize=False; "auto" would encode every source at ~1024 px), so one source size a batch
+    Family("flux-kontext", _tiny("flux_kontext"), "FluxKontextPipeline", "FluxKontextAdapter", guidance=(1.0, 2.5),
+           output="images", pack=lambda adapter, x: adapter.pack(x), latent_shape=(4, 16, 24), sources=True,
+           options={"source_size": "source"}, train_options={"source_size": "source"},
+           pipe_kwargs={"max_area": 32 * 48, "_auto_resize": False},
+           cases=(("distilled", 2.5, {}, {}, False, 1),
+                  ("true-cfg", 2.5, {"true_cfg_scale": 2.0, "negative_prompt": "ugly"},
+                   {"true_cfg_scale": 2.0, "negative_prompt": "ugly"}, True, 2)),
+           tokens=lambda H, W, src: (H // 4) * (W // 4) + (src.size[1] // 4) * (src.size[0] // 4),
+           embeds_check=lambda embeds, src: _shape_is(embeds["image"], (1, 4, src.size[1] // 2, src.size[0] // 2)),
+           source_size=(32, 32), exact_sources=True, train_config={"max_steps": 2, "prompts_per_step": 4},
+           lora_check=_kontext_lora),
     Family("wan21-i2v", _wan_i2v("2.1"), "WanImageToVideoPipeline", "WanImageToVideoAdapter", options=_WAN_CALL,
            pipe_kwargs=_WAN_CALL, config={"num_frames": 5}, sources=True,
            bad_sizes=(({"height": 40}, "multiples of 16"), ({"num_frames": 8}, "num_frames=8: Wan needs 4k \\+ 1"))),
@@ -237,7 +263,7 @@ TRAINED = [f for f in FAMILIES if not f.parity_only]
 TRAINERS = sorted(set(trl_flow.registered_trainers().values()), key=lambda c: c.__name__)
 # registered families whose shared checks are still in their own test file (fold each into FAMILIES, then drop it)
 NOT_YET = {
-    "FluxKontextPipeline": "test_models_flux_kontext.py", "QwenImageEditPipeline": "test_models_qwen_image_edit.py",
+    "QwenImageEditPipeline": "test_models_qwen_image_edit.py",
     "QwenImageEditPlusPipeline": "test_models_qwen_image_edit.py",
 }
 
@@ -321,12 +347,16 @@ def test_ode_rollout_reproduces_pipeline_exactly(family, case):
         def call():
             return _call(family, batch, src, K, g, H, W, **case_kwargs)
 
-        passes = []
-        hook = pipe.transformer.register_forward_hook(lambda *a: passes.append(1))
+        passes, counted = [], bool(passes_per_step or family.tokens)
+
+        def count(module, args, kwargs, out):  # the tokens of one transformer pass
+            passes.append((kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).shape[1])
+
+        hook = pipe.transformer.register_forward_hook(count, with_kwargs=True) if counted else None
         expected = getattr(pipe(generator=torch.Generator().manual_seed(seed), output_type="latent", **call()),
                            family.output)
-        pipe_passes, passes[:] = len(passes), []
-        hook.remove()
+        if hook:
+            hook.remove()
         decoded = getattr(pipe(generator=torch.Generator().manual_seed(seed), output_type="pt", **call()),
                           family.output)
         noise = adapter.initial_noise(len(batch), H, W, torch.Generator().manual_seed(seed))
@@ -334,12 +364,18 @@ def test_ode_rollout_reproduces_pipeline_exactly(family, case):
             images = {"images": [src] * len(batch)} if family.sources else {}
             embeds = adapter.encode_prompts(batch, g > 1, max_seq, **images)
         assert any(k.startswith("negative_") for k in embeds) == negative
-        hook = pipe.transformer.register_forward_hook(lambda *a: passes.append(1))
+        pipe_passes, passes[:] = list(passes), []
+        hook = pipe.transformer.register_forward_hook(count, with_kwargs=True) if counted else None
         traj = sample_trajectories(adapter, adapter.trainable_module(), embeds, noise, schedule, ["ode"] * K, 0.0, g,
                                    batch_size=len(batch))
-        hook.remove()
+        if hook:
+            hook.remove()
         if passes_per_step:
-            assert len(passes) == pipe_passes == K * passes_per_step[0]
+            assert passes == pipe_passes and len(passes) == K * passes_per_step[0]  # the same tokens in each
+        if family.tokens:
+            assert set(passes) == {family.tokens(H, W, src)}
+        if family.embeds_check:
+            family.embeds_check(embeds, src)
         final = traj["states"][:, -1]
         assert torch.equal(traj["states"][:, 0], noise)
         assert final.shape == (len(batch), *adapter.latent_shape(H, W))
@@ -360,7 +396,7 @@ def _dataset(family, tmp_path):
     paths = []
     for i in range(len(EDIT_PROMPTS)):
         paths.append(str(tmp_path / f"src{i}.png"))
-        source(i, (24 + 8 * i, 32)).save(paths[-1])  # sizes the adapter resizes from
+        source(i, family.source_size or (24 + 8 * i, 32)).save(paths[-1])  # sizes the adapter resizes from
     return Dataset.from_dict({"prompt": EDIT_PROMPTS, "source_image": paths})
 
 
@@ -402,14 +438,24 @@ def test_every_trainer_trains_one_iteration(tmp_path, family, trainer_class):
     samples, the reward check before any compute gets two samples of that shape and a strip (one file per video) is
     written."""
     seen, ranges = [], []
+    dataset = _dataset(family, tmp_path)
+    if family.exact_sources:
+        from trl_flow.editing import load_source, source_tensor
+
+        rows = {p: source_tensor([load_source(s, 0, "source_image")], 32, 32)[0]
+                for p, s in zip(dataset["prompt"], dataset["source_image"])}
 
     def reward(images, prompts, **columns):
+        if family.exact_sources:  # each row's own source, decoded and resized to the output, float32
+            src = columns["source_image"]
+            assert src.dtype == torch.float32 and src.shape == images.shape
+            assert all(torch.equal(src[i], rows[p]) for i, p in enumerate(prompts))
         seen.append((tuple(images.shape), "source_image" in columns))
         ranges.append((float(images.min()), float(images.max())))
         return _brightness(images, prompts)
 
     config = _config(trainer_class.config_class, tmp_path, family, **family.train_config)
-    trainer = trainer_class(config, _trainer_input(family), [reward], train_dataset=_dataset(family, tmp_path))
+    trainer = trainer_class(config, _trainer_input(family), [reward], train_dataset=dataset)
     assert type(trainer.adapter).__name__ == family.adapter_class
     shape = trainer.adapter.output_shape(32, 32)
     if family.samples:
@@ -418,6 +464,7 @@ def test_every_trainer_trains_one_iteration(tmp_path, family, trainer_class):
     state = trainer.train()
     assert {(s[1:], src) for s, src in seen} == {(shape, family.sources)}
     assert ranges and all(0.0 <= lo <= hi <= 1.0 for lo, hi in ranges)
+    assert sum(s[0] for s, _ in seen) >= 2 + config.max_steps * config.prompts_per_step * config.num_generations
     assert len(state.log_history) == config.max_steps
     for entry in state.log_history:
         if _has_ratio(trainer_class.config_class):  # DiffusionNFT has no ratio
