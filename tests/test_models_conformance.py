@@ -56,13 +56,17 @@ class Family:
     embeds_check: Callable | None = None  # (embeds, source) -> None: what the family's embeddings hold of a source
     source_size: tuple | None = None  # (width, height) of every dataset source; None: four sizes
     exact_sources: bool = False  # the rewards' source_image is each row's source resized to the output, exactly
-    parity_only: bool = False  # a variant of a family's pipeline checked for parity only (FLUX.2 [klein] distilled)
+    img_shapes: list | None = None  # the img_shapes argument of the rollout's first pass (Qwen-Image-Edit)
+    parity_source: tuple = (40, 24)  # (width, height) of the parity test's source: another size and aspect ratio
+    patch: Callable | None = None  # (monkeypatch) -> None before the pipeline runs in the parity and LoRA tests
+    trainers: bool = True  # run the every-trainer test (False: a variant whose training another row checks)
+    lora: bool = True  # run the LoRA round trip
     prompts: tuple | None = None  # the text prompts (None: conftest's PROMPTS, EDIT_PROMPTS where sources)
     parity_prompts: int = 2  # how many prompts the parity test samples
     latent_shape: tuple | None = None  # a sample's stored state at height x width, where the row spells it out
     train_config: dict = field(default_factory=dict)  # the every-trainer test's config overrides (e.g. max_steps=2)
     samples: bool = False  # the every-trainer test logs sample strips (log_images_steps) and checks the reward check
-    lora_check: Callable | None = None  # (fresh pipeline with the saved LoRA loaded) -> None, the family's targets
+    lora_check: Callable | None = None  # (fresh pipeline with the saved LoRA loaded, load code) -> None
 
     def parity_cases(self):
         return self.cases or (("plain", self.guidance[0], {}, {}, self.guides_at_one),
@@ -115,7 +119,7 @@ def _tiny(name, **kwargs):
     return make
 
 
-def _zimage_lora_targets(pipe):
+def _zimage_lora_targets(pipe, code):
     """diffusers' Z-Image LoRA script's targets, in the refiners and the main layers."""
     wrapped = {name.split(".lora_")[0] for name, _ in pipe.transformer.named_parameters() if ".lora_" in name}
     assert {"to_out.0" if m.endswith("to_out.0") else m.rsplit(".", 1)[1] for m in wrapped} == {
@@ -123,11 +127,49 @@ def _zimage_lora_targets(pipe):
     assert any(m.startswith("noise_refiner.") for m in wrapped) and any(m.startswith("layers.") for m in wrapped)
 
 
-def _qwen_lora_targets(pipe):
+def _qwen_lora_targets(pipe, code):
     assert set(pipe.transformer.peft_config["default_0"].target_modules) == {"to_k", "to_q", "to_v", "to_out.0"}
 
 
-def _kontext_lora(pipe):
+def _qwen_edit_area(monkeypatch):
+    """Both Qwen-Image-Edit pipelines resize the source to 32 x 32's area instead of 1024 x 1024's (what the
+    adapter does with source_size="output"; 1 MP takes ~25 s to encode on CPU); every other step of pipe() is
+    unchanged. test_models_qwen_image_edit checks the 1 MP rule itself."""
+    import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit as edit
+    import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus as plus
+
+    rule = edit.calculate_dimensions
+    monkeypatch.setattr(edit, "calculate_dimensions",
+                        lambda area, ratio: rule(32 * 32 if area == 1024 * 1024 else area, ratio))
+    monkeypatch.setattr(plus, "VAE_IMAGE_SIZE", 32 * 32)
+
+
+def _qwen_edit_lora(pipe, code):
+    _qwen_lora_targets(pipe, code)
+    assert type(pipe).__name__ in code
+
+
+def _qwen_edit(variant, adapter, **kwargs):
+    """Qwen-Image-Edit (-2509: Plus) at 32 x 32 with 32 x 32 sources, source_size="output": 16 generated tokens,
+    then the source's 16, in every pass; true CFG against " "."""
+    def make():
+        from trl_flow.testing import tiny_qwen_image_edit_pipeline
+
+        return tiny_qwen_image_edit_pipeline(variant=variant)
+
+    pipeline = {"edit": "QwenImageEditPipeline", "plus": "QwenImageEditPlusPipeline"}[variant]
+    return Family(f"qwen-image-{variant}", make, pipeline, adapter,
+                  width=32, guidance=(1.0, 4.5), guidance_arg="true_cfg_scale", output="images",
+                  pack=lambda a, x: a.pack(x), latent_shape=(4, 8, 8), sources=True, parity_source=(32, 32),
+                  source_size=(32, 32), options={"source_size": "output"}, pipe_kwargs={"negative_prompt": " "},
+                  cases=(("plain", 1.0, {}, {}, False, 1), ("true-cfg", 4.0, {}, {}, True, 2)),
+                  tokens=lambda H, W, src: 2 * (H // 8) * (W // 8), img_shapes=[[(1, 4, 4), (1, 4, 4)]],
+                  embeds_check=lambda embeds, src: _shape_is(embeds["image_latents"], (1, 4, 8, 8)),
+                  config={"source_image_size": "output"}, train_config={"max_steps": 2, "prompts_per_step": 4},
+                  exact_sources=True, patch=_qwen_edit_area, lora_check=_qwen_edit_lora, **kwargs)
+
+
+def _kontext_lora(pipe, code):
     cfg = pipe.transformer.peft_config["default_0"]
     assert cfg.r == 4 and cfg.lora_alpha == 8 and "ff_context.net.2" in cfg.target_modules
 
@@ -136,7 +178,7 @@ def _shape_is(tensor, shape):
     assert tuple(tensor.shape) == shape
 
 
-def _flux2_lora(pipe):
+def _flux2_lora(pipe, code):
     cfg = pipe.transformer.peft_config["default_0"]
     assert cfg.r == 4 and cfg.lora_alpha == 8 and "to_qkv_mlp_proj" in cfg.target_modules
 
@@ -204,7 +246,7 @@ FAMILIES = [
     Family("flux2-klein-distilled", _tiny("flux2_klein", is_distilled=True), "Flux2KleinPipeline",
            "Flux2KleinAdapter", output="images", pack=lambda adapter, x: adapter.unpatchify(x),
            latent_shape=(16, 8, 12), parity_prompts=3, cases=(("guided", 4.0, {}, {}, False, 1),),
-           config={"max_sequence_length": 40}, parity_only=True),
+           config={"max_sequence_length": 40}, trainers=False, lora=False),
     # FLUX.1 Kontext: the source's tokens beside the generated ones in every pass; source_size="source" (the
     # pipeline's _auto_resize=False; "auto" would encode every source at ~1024 px), so one source size a batch
     Family("flux-kontext", _tiny("flux_kontext"), "FluxKontextPipeline", "FluxKontextAdapter", guidance=(1.0, 2.5),
@@ -218,6 +260,8 @@ FAMILIES = [
            embeds_check=lambda embeds, src: _shape_is(embeds["image"], (1, 4, src.size[1] // 2, src.size[0] // 2)),
            source_size=(32, 32), exact_sources=True, train_config={"max_steps": 2, "prompts_per_step": 4},
            lora_check=_kontext_lora),
+    _qwen_edit("edit", "QwenImageEditAdapter"),
+    _qwen_edit("plus", "QwenImageEditPlusAdapter", trainers=False),  # trained in the LoRA test only
     Family("wan21-i2v", _wan_i2v("2.1"), "WanImageToVideoPipeline", "WanImageToVideoAdapter", options=_WAN_CALL,
            pipe_kwargs=_WAN_CALL, config={"num_frames": 5}, sources=True,
            bad_sizes=(({"height": 40}, "multiples of 16"), ({"num_frames": 8}, "num_frames=8: Wan needs 4k \\+ 1"))),
@@ -259,13 +303,9 @@ FAMILIES = [
            recipe=("ltx2_t2v_flow_grpo", "Lightricks/LTX-2")),
 ]
 IDS = [f.name for f in FAMILIES]
-TRAINED = [f for f in FAMILIES if not f.parity_only]
+TRAINED = [f for f in FAMILIES if f.trainers]
+WITH_LORA = [f for f in FAMILIES if f.lora]
 TRAINERS = sorted(set(trl_flow.registered_trainers().values()), key=lambda c: c.__name__)
-# registered families whose shared checks are still in their own test file (fold each into FAMILIES, then drop it)
-NOT_YET = {
-    "QwenImageEditPipeline": "test_models_qwen_image_edit.py",
-    "QwenImageEditPlusPipeline": "test_models_qwen_image_edit.py",
-}
 
 
 # (test, row) over ~20 s on the 2 shared test cores (--durations): 54-60 s, 15-21 s
@@ -277,12 +317,10 @@ def _rows(test, families):
 
 
 def test_every_registered_adapter_has_a_row():
-    """Each registered pipeline class has a row naming its adapter (or is listed, with its own file, in NOT_YET): a
-    new family without a row fails here."""
+    """Each registered pipeline class has a row naming its adapter: a new family without a row fails here."""
     registered = registered_adapters()
     rows = {f.pipeline: f.adapter_class for f in FAMILIES}
-    assert not set(rows) & set(NOT_YET)
-    assert set(rows) | set(NOT_YET) == set(registered), sorted(set(registered) - set(rows) - set(NOT_YET))
+    assert set(rows) == set(registered), sorted(set(registered) ^ set(rows))
     assert all(registered[pipeline] == adapter for pipeline, adapter in rows.items())
 
 
@@ -323,11 +361,13 @@ def _adapter(family, pipe, height, width, **extra):
 # ------------------------------------------------------------------------------------------- pipeline parity
 @pytest.mark.parametrize("family,case", [(f, c) for f in FAMILIES for c in f.parity_cases()],
                          ids=[f"{f.name}-{c[0]}" for f in FAMILIES for c in f.parity_cases()])
-def test_ode_rollout_reproduces_pipeline_exactly(family, case):
+def test_ode_rollout_reproduces_pipeline_exactly(family, case, monkeypatch):
     """From the same noise, the `ode` kernel over the adapter's schedule ends exactly where pipe() ends, and decode
     is exactly the pipeline's output_type="pt" output; a source of another size and aspect ratio than the output
     (40 x 24 px) where the family takes one."""
     _, g, case_options, case_kwargs, negative, *passes_per_step = case
+    if family.patch:
+        family.patch(monkeypatch)
     pipe = family.make_pipe()
     assert type(pipe).__name__ == family.pipeline
     H, W, K = family.height, family.width, 4
@@ -340,7 +380,7 @@ def test_ode_rollout_reproduces_pipeline_exactly(family, case):
     batches = [[p] for p in prompts] if family.sources or family.batches_of_one else [prompts]
     if family.set_guidance:
         family.set_guidance(pipe, g)
-    src = source(0, (40, 24)) if family.sources else None
+    src = source(0, family.parity_source) if family.sources else None
     schedule = adapter.schedule(K, H, W)
     assert schedule.num_steps == K and float(schedule.sigmas[0]) == 1.0 and float(schedule.sigmas[-1]) == 0.0
     for seed, batch in enumerate(batches):
@@ -350,7 +390,8 @@ def test_ode_rollout_reproduces_pipeline_exactly(family, case):
         passes, counted = [], bool(passes_per_step or family.tokens)
 
         def count(module, args, kwargs, out):  # the tokens of one transformer pass
-            passes.append((kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).shape[1])
+            passes.append(((kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).shape[1],
+                           kwargs.get("img_shapes")))
 
         hook = pipe.transformer.register_forward_hook(count, with_kwargs=True) if counted else None
         expected = getattr(pipe(generator=torch.Generator().manual_seed(seed), output_type="latent", **call()),
@@ -373,7 +414,9 @@ def test_ode_rollout_reproduces_pipeline_exactly(family, case):
         if passes_per_step:
             assert passes == pipe_passes and len(passes) == K * passes_per_step[0]  # the same tokens in each
         if family.tokens:
-            assert set(passes) == {family.tokens(H, W, src)}
+            assert {p[0] for p in passes} == {family.tokens(H, W, src)}
+        if family.img_shapes:
+            assert passes[0][1] == family.img_shapes
         if family.embeds_check:
             family.embeds_check(embeds, src)
         final = traj["states"][:, -1]
@@ -480,12 +523,14 @@ def test_every_trainer_trains_one_iteration(tmp_path, family, trainer_class):
             assert len(videos) == config.prompts_per_step * config.num_generations
 
 
-@pytest.mark.parametrize("family", TRAINED, ids=[f.name for f in TRAINED])
-def test_lora_round_trips_through_the_pipelines_loader(tmp_path, family):
+@pytest.mark.parametrize("family", WITH_LORA, ids=[f.name for f in WITH_LORA])
+def test_lora_round_trips_through_the_pipelines_loader(tmp_path, family, monkeypatch):
     """save_model -> a fresh pipeline's load_lora_weights (the model card's snippet) -> exactly the trained
     pipeline's samples, which differ from the base pipeline's."""
     from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
 
+    if family.patch:
+        family.patch(monkeypatch)
     config = _config(FlowGRPOConfig, tmp_path, family, beta=0.0)
     trainer = FlowGRPOTrainer(config, _trainer_input(family), [_brightness], train_dataset=_dataset(family, tmp_path))
     trainer.train()
@@ -504,12 +549,13 @@ def test_lora_round_trips_through_the_pipelines_loader(tmp_path, family):
         family.set_guidance(fresh, family.guidance[1])
         family.set_guidance(trainer.pipe, family.guidance[1])
     base = run(fresh)
-    exec(trainer.adapter.lora_load_code(out), {"pipe": fresh})  # the model card's snippet: the pipeline's loader
+    code = trainer.adapter.lora_load_code(out)
+    exec(code, {"pipe": fresh})  # the model card's snippet: the pipeline's loader
     loaded, trained = run(fresh), run(trainer.pipe)
     assert torch.equal(loaded, trained)
     assert (loaded - base).abs().max() > 1e-4  # the LoRA is not a no-op
     if family.lora_check:
-        family.lora_check(fresh)
+        family.lora_check(fresh, code)
 
 
 @pytest.mark.parametrize("family", _rows("resume", [f for f in FAMILIES if f.resume]))
