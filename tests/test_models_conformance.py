@@ -59,6 +59,7 @@ class Family:
     img_shapes: list | None = None  # the img_shapes argument of the rollout's first pass (Qwen-Image-Edit)
     parity_source: tuple = (40, 24)  # (width, height) of the parity test's source: another size and aspect ratio
     patch: Callable | None = None  # (monkeypatch) -> None before the pipeline runs in the parity and LoRA tests
+    ema_resume: dict | None = None  # config of the resume test with EMA and KL (None: not run there)
     trainers: bool = True  # run the every-trainer test (False: a variant whose training another row checks)
     lora: bool = True  # run the LoRA round trip
     prompts: tuple | None = None  # the text prompts (None: conftest's PROMPTS, EDIT_PROMPTS where sources)
@@ -213,7 +214,7 @@ FAMILIES = [
                   ("cfg-norm-trunc", 2.0, {"negative_prompt": "ugly", "cfg_normalization": 1.0, "cfg_truncation": 0.5},
                    {"negative_prompt": "ugly", "cfg_normalization": 1.0, "cfg_truncation": 0.5}, True)),
            config={"max_sequence_length": 48},  # the chat template alone takes 19 byte-level tokens
-           train_config={"max_steps": 2, "prompts_per_step": 4}, lora_check=_zimage_lora_targets,
+           train_config={"max_steps": 2, "prompts_per_step": 4}, lora_check=_zimage_lora_targets, ema_resume={},
            bad_sizes=(({"height": 34}, "height=34, width=32: must be multiples of 4"),
                       ({"width": 256}, "height=32, width=256: this Z-Image transformer's position table covers at "
                                        "most 128 x 128"),
@@ -224,7 +225,7 @@ FAMILIES = [
            pack=lambda adapter, x: adapter.pack(x), latent_shape=(4, 8, 12), parity_prompts=3,
            cases=(("plain", 1.0, {}, {}, False),
                   ("true-cfg", 4.0, {"negative_prompt": "ugly"}, {"negative_prompt": "ugly"}, True)),
-           train_config={"max_steps": 2, "prompts_per_step": 4}, lora_check=_qwen_lora_targets,
+           train_config={"max_steps": 2, "prompts_per_step": 4}, lora_check=_qwen_lora_targets, ema_resume={},
            bad_sizes=(({"height": 36}, "height=36, width=32: must be multiples of 8"),
                       ({"width": 65536}, "rotary embedding has 4096 positions"),
                       ({"max_sequence_length": 2048}, "max_sequence_length=2048: QwenImagePipeline takes at most "
@@ -259,8 +260,8 @@ FAMILIES = [
            tokens=lambda H, W, src: (H // 4) * (W // 4) + (src.size[1] // 4) * (src.size[0] // 4),
            embeds_check=lambda embeds, src: _shape_is(embeds["image"], (1, 4, src.size[1] // 2, src.size[0] // 2)),
            source_size=(32, 32), exact_sources=True, train_config={"max_steps": 2, "prompts_per_step": 4},
-           lora_check=_kontext_lora),
-    _qwen_edit("edit", "QwenImageEditAdapter"),
+           lora_check=_kontext_lora, ema_resume={"learning_rate": 3e-3}),
+    _qwen_edit("edit", "QwenImageEditAdapter", ema_resume={"learning_rate": 3e-3}),
     _qwen_edit("plus", "QwenImageEditPlusAdapter", trainers=False),  # trained in the LoRA test only
     Family("wan21-i2v", _wan_i2v("2.1"), "WanImageToVideoPipeline", "WanImageToVideoAdapter", options=_WAN_CALL,
            pipe_kwargs=_WAN_CALL, config={"num_frames": 5}, sources=True,
@@ -626,6 +627,41 @@ def test_bad_size_is_refused_before_any_compute(tmp_path, family, overrides, mat
     for hook in hooks:
         hook.remove()
     assert calls == []  # no reward, encoder, transformer or VAE call
+
+
+@pytest.mark.parametrize("family", _rows("ema_resume", [f for f in FAMILIES if f.ema_resume is not None]))
+def test_resume_with_ema_and_kl_repeats_an_uninterrupted_run(tmp_path, family):
+    """3 iterations straight == 1, a checkpoint, then a fresh trainer and pipeline resumed for 2 more from another
+    global RNG state (KL to the reference and EMA on; the sources re-read from the dataset): every trained LoRA
+    weight, the EMA and the logged step, loss, reward, KL and ratio bit for bit."""
+    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
+
+    dataset = _dataset(family, tmp_path)
+
+    def run(name, max_steps, resume=None, **kw):
+        config = _config(FlowGRPOConfig, tmp_path, family, output_dir=str(tmp_path / name), max_steps=max_steps,
+                         beta=0.01, ema_decay=0.9, **family.ema_resume, **kw)
+        trainer = FlowGRPOTrainer(config, _trainer_input(family), [_brightness], train_dataset=dataset)
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    def lora(trainer):
+        return {n: p.detach().clone() for n, p in trainer.adapter.trainable_module().named_parameters()
+                if "lora_" in n}
+
+    straight = run("a", 3)
+    run("b", 1, save_steps=1)
+    torch.manual_seed(1234)  # everything must come from the checkpoint
+    resumed = run("b", 3, resume=str(tmp_path / "b" / "checkpoint-1"), save_steps=1)
+    assert resumed.state.global_step == 3
+    wa, wb = lora(straight), lora(resumed)
+    assert wa.keys() == wb.keys() and wa and all(torch.equal(wa[k], wb[k]) for k in wa)
+    ema_a, ema_b = straight.ema.shadow_params, resumed.ema.shadow_params
+    assert ema_a and len(ema_a) == len(ema_b) and all(torch.equal(a, b) for a, b in zip(ema_a, ema_b))
+    keys = ("step", "loss", "reward", "kl", "ratio_max")
+    assert len(straight.state.log_history) == 3
+    assert [[e[k] for k in keys] for e in resumed.state.log_history[1:]] == [
+        [e[k] for k in keys] for e in straight.state.log_history[1:]]
 
 
 # ---------------------------------------------------------------------------------------------------- recipes

@@ -1,5 +1,6 @@
-"""Qwen-Image (QwenImagePipeline) through QwenImageAdapter: parity with pipe(), true CFG with its norm rescaling,
-every trainer, LoRA round trip through the pipeline's loader, resume, loading, bad input.
+"""What is particular to Qwen-Image (QwenImagePipeline, QwenImageAdapter): the schedule, prompt encoding, true CFG
+with its norm rescaling, loading, long prompts, options, the recipe. Parity, every trainer, the LoRA round trip,
+resume with EMA, bad sizes: row "qwen-image" of test_models_conformance.py.
 
 Tiny random QwenImagePipeline (trl_flow.testing.tiny_qwen_image_pipeline), 32 x 32 px: latents (4, 8, 8), 16 image
 tokens; prompts of 9 to 13 tokens after the template (so a batch is padded and masked).
@@ -10,22 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import HEIGHT, MAX_SEQ, PROMPTS, WIDTH
-from test_models_families import family_config, video_or_image_brightness
 
 from trl_flow.models import get_adapter
 from trl_flow.models.qwen_image import QwenImageAdapter
 from trl_flow.testing import tiny_qwen_image_pipeline
 
 
-def qwen_config(config_class, tmp_path, **overrides):
-    return family_config(config_class, tmp_path, "qwen", **overrides)  # guidance_scale 4.5: true CFG, two passes
-
-
-def lora_params(trainer):
-    return {n: p.detach().clone() for n, p in trainer.pipe.transformer.named_parameters() if "lora_" in n}
-
-
-# ------------------------------------------------------------------------------------------- pipeline parity
+# ----------------------------------------------------------------------------- schedule, encoding, guidance
 def test_schedule_ends_at_shift_terminal():
     adapter = get_adapter(tiny_qwen_image_pipeline())
     assert type(adapter) is QwenImageAdapter and adapter.pipeline_tag == "text-to-image"
@@ -80,32 +72,6 @@ def test_true_cfg_rescales_to_the_conditional_norm_and_detach_keeps_the_value():
     v_cond_only, g_cond_only = value_and_grad(True)
     assert torch.equal(v_full, v_cond_only)
     assert not torch.allclose(g_full, g_cond_only)
-
-
-# ---------------------------------------------------------------------------------------- every trainer
-def test_resume_repeats_an_uninterrupted_run(tmp_path):
-    """Checkpoint at iteration 1, resume to 3 in a fresh trainer and pipeline: the LoRA, the EMA and the logged
-    values are bit-identical to an uninterrupted 3-iteration run (KL to the reference, EMA, true CFG)."""
-    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
-
-    def make(name, **kw):
-        config = qwen_config(FlowGRPOConfig, tmp_path, output_dir=str(tmp_path / name), beta=0.01, ema_decay=0.9,
-                             **kw)
-        return FlowGRPOTrainer(config, tiny_qwen_image_pipeline(), [video_or_image_brightness],
-                               train_dataset=PROMPTS)
-
-    run_a = make("a", max_steps=3)
-    run_a.train()
-    make("b", max_steps=1, save_steps=1).train()
-    torch.manual_seed(1234)  # a different global RNG state: everything must come from the checkpoint
-    resumed = make("b", max_steps=3, save_steps=1)
-    resumed.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-1"))
-    assert resumed.state.global_step == 3
-    wa, wb = lora_params(run_a), lora_params(resumed)
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[n], wb[n]) for n in wa)
-    assert all(torch.equal(a, b) for a, b in zip(run_a.ema.shadow_params, resumed.ema.shadow_params))
-    for a, b in zip(run_a.state.log_history[1:], resumed.state.log_history[1:]):
-        assert (a["step"], a["loss"], a["reward"], a["kl"]) == (b["step"], b["loss"], b["reward"], b["kl"])
 
 
 # ------------------------------------------------------------------------------------------- loading, bad input

@@ -1,6 +1,7 @@
-"""Z-Image (ZImagePipeline) through ZImageAdapter: parity with pipe() (no guidance as Z-Image-Turbo samples, CFG,
-CFG with the pipeline's normalisation and truncation), every trainer, LoRA round trip through the pipeline's loader,
-resume, loading, bad input.
+"""What is particular to Z-Image (ZImagePipeline, ZImageAdapter): embeddings, timesteps, CFG options, detach_uncond,
+the turbo setting, loading, RoPE limits, the recipe. Parity (no guidance as Z-Image-Turbo samples, CFG, CFG with the
+pipeline's normalisation and truncation), every trainer, the LoRA round trip, resume with EMA, bad sizes: row
+"zimage" of test_models_conformance.py.
 
 Tiny random ZImagePipeline (trl_flow.testing.tiny_zimage_pipeline), 32 x 32 px: latents (4, 16, 16), 64 image
 tokens; prompts of 24 to 50 tokens after Qwen3's chat template (so the transformer's batch is padded and masked).
@@ -31,7 +32,7 @@ def lora_params(trainer):
     return {n: p.detach().clone() for n, p in trainer.pipe.transformer.named_parameters() if "lora_" in n}
 
 
-# ------------------------------------------------------------------------------------------- pipeline parity
+# ----------------------------------------------------------------------------------- encoding, guidance
 PARITY = [
     # (guidance_scale, adapter options)
     (0.0, {}),  # Z-Image-Turbo: one pass per step
@@ -139,7 +140,7 @@ def test_detach_uncond_keeps_value_and_drops_uncond_gradient():
     assert not torch.allclose(g_full, g_cond)
 
 
-# ---------------------------------------------------------------------------------------- every trainer
+# --------------------------------------------------------------------------------------------- training
 def test_turbo_setting_trains_with_one_pass_per_step(tmp_path):
     """guidance_scale=0 (Z-Image-Turbo): no negative prompt is encoded, one transformer call per velocity."""
     from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
@@ -152,31 +153,6 @@ def test_turbo_setting_trains_with_one_pass_per_step(tmp_path):
     state = trainer.train()
     assert state.log_history[0]["ratio_first_max_dev"] == 0.0
     assert any(not torch.equal(before[n], p) for n, p in lora_params(trainer).items())
-
-
-def test_resume_repeats_an_uninterrupted_run(tmp_path):
-    """Checkpoint at iteration 1, resume to 3 in a fresh trainer and pipeline: the LoRA, the EMA and the logged
-    values are bit-identical to an uninterrupted 3-iteration run (CFG, KL to the reference, EMA)."""
-    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
-
-    def make(name, **kw):
-        config = zimage_config(FlowGRPOConfig, tmp_path, output_dir=str(tmp_path / name), beta=0.01, ema_decay=0.9,
-                               **kw)
-        return FlowGRPOTrainer(config, tiny_zimage_pipeline(), [video_or_image_brightness],
-                               train_dataset=LONG_PROMPTS)
-
-    run_a = make("a", max_steps=3)
-    run_a.train()
-    make("b", max_steps=1, save_steps=1).train()
-    torch.manual_seed(1234)  # a different global RNG state: everything must come from the checkpoint
-    resumed = make("b", max_steps=3, save_steps=1)
-    resumed.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-1"))
-    assert resumed.state.global_step == 3
-    wa, wb = lora_params(run_a), lora_params(resumed)
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[n], wb[n]) for n in wa)
-    assert all(torch.equal(a, b) for a, b in zip(run_a.ema.shadow_params, resumed.ema.shadow_params))
-    for a, b in zip(run_a.state.log_history[1:], resumed.state.log_history[1:]):
-        assert (a["step"], a["loss"], a["reward"], a["kl"]) == (b["step"], b["loss"], b["reward"], b["kl"])
 
 
 # ------------------------------------------------------------------------------------------- loading, bad input
