@@ -393,6 +393,7 @@ def test_the_early_stopping_callback_of_the_docs_stops_and_resumes(tmp_path, fre
 
 
 # ----------------------------------------------------------------------------------------- two processes
+@pytest.mark.slow
 def test_with_two_processes_the_main_process_flags_decide(tmp_path):
     import socket
     import subprocess

@@ -208,6 +208,7 @@ def _newest(out) -> int:
     return complete[-1].step if complete else 0
 
 
+@pytest.mark.slow
 def test_random_kills_then_resume_end_bit_identical_to_an_uninterrupted_run(tmp_path):
     """An OP-GRPO child is killed with SIGKILL in the middle of a save, then with SIGTERM and SIGKILL at a random
     moment after its first save (inside that save or in the next iteration, which lasts at least 0.4 s: the reward

@@ -91,6 +91,7 @@ def rank_reward(images, prompts, **kwargs):
 '''
 
 
+@pytest.mark.slow
 def test_cpu_two_process_launch_trains_with_two_processes(tmp_path):
     """`ACCELERATE_USE_CPU=true trl-flow grpo --accelerate_config multi_gpu --num_processes 2 ...` (the CPU recipe,
     one iteration): two processes, one per rank, each scoring half of the iteration's images."""
@@ -187,6 +188,7 @@ def _machine(rank, port, out, env, cwd, ip="127.0.0.1", extra=()):
     return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow
 def test_simulated_two_machine_launch_trains_one_iteration_and_writes_one_checkpoint(tmp_path):
     """`trl-flow --accelerate_config multi_node` on two "machines" (machine_rank 0 and 1, one process each, main
     process on 127.0.0.1): one iteration, each rank scores its half, the checkpoint is written once."""
@@ -208,6 +210,7 @@ def test_simulated_two_machine_launch_trains_one_iteration_and_writes_one_checkp
     assert _exits(tmp_path) == ["0 False", "1 False"]
 
 
+@pytest.mark.slow
 def test_a_missing_machine_or_a_wrong_main_ip_stops_within_the_timeout_with_a_clear_error(tmp_path):
     """Machine 0 alone waits for machine 1; machine 1 pointed at an unreachable address (TEST-NET-1) cannot connect.
     Both stop after `--rdzv_conf timeout=5` (torchrun's default: 600 s) with an error naming what to check."""
@@ -231,6 +234,7 @@ def test_a_missing_machine_or_a_wrong_main_ip_stops_within_the_timeout_with_a_cl
     assert not os.listdir(logs)  # no process started training
 
 
+@pytest.mark.slow
 def test_cpu_fsdp2_launch_really_shards(tmp_path):
     """The issue's command: `ACCELERATE_USE_CPU=true trl-flow grpo --accelerate_config fsdp2 --num_processes 2`
     now runs FSDP2 (it used to be DDP without a word) and writes a loadable LoRA."""

@@ -100,6 +100,7 @@ def _max_diff(a: dict, b: dict, keys) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in keys)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", RUNS)
 def test_fsdp2_shards_and_matches_ddp_and_one_process(fsdp, ddp, tmp_path, spec):
     import trl_flow
@@ -176,6 +177,7 @@ def test_fsdp2_shards_and_matches_ddp_and_one_process(fsdp, ddp, tmp_path, spec)
         assert ema_vs_raw > 0.02 * update
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("finetune", ["lora", "full"])
 def test_fsdp2_checkpoint_resumes_bit_identically_on_two_and_to_rounding_on_one(fsdp, fsdp_one, finetune):
     name = f"FlowGRPOTrainer-{finetune}"
@@ -209,6 +211,7 @@ def test_fsdp2_checkpoint_resumes_bit_identically_on_two_and_to_rounding_on_one(
     assert _max_diff(resumed, full_run, keys) < 2e-6
 
 
+@pytest.mark.slow
 def test_an_fsdp_checkpoint_on_a_plain_process_is_refused_with_the_fix(fsdp, tmp_path):
     import trl_flow
 
@@ -217,6 +220,7 @@ def test_an_fsdp_checkpoint_on_a_plain_process_is_refused_with_the_fix(fsdp, tmp
         tr.train(resume_from_checkpoint=str(fsdp / "FlowGRPOTrainer-lora" / "checkpoint-1"))
 
 
+@pytest.mark.slow
 def test_op_grpo_under_fsdp_is_refused_with_the_fix(fsdp):
     error = json.loads((fsdp / "refuse-OPGRPOTrainer.json").read_text())["error"]
     assert error and error.startswith("DistributedSetupError") and "different numbers of transformer forward" in error

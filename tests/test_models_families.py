@@ -1,4 +1,5 @@
-"""FLUX.1 and Wan2.1 adapters against their own diffusers pipelines, and every trainer on both families.
+"""What is particular to FLUX.1 and Wan2.1 (the shared checks, parity, every trainer, LoRA, bad sizes: rows "flux"
+and "wan21" of test_models_conformance.py), and the helpers the family files share.
 
 Tiny random FluxPipeline / WanPipeline (trl_flow.testing), 32 x 32 px, Wan videos of 5 or 9 frames.
 """
@@ -39,58 +40,7 @@ def exported_trainers():
     return out
 
 
-# ------------------------------------------------------------------------------------------- pipeline parity
-PARITY = [
-    # (family, guidance_scale, adapter options, pipeline kwargs)
-    ("flux", 3.5, {}, {}),  # distilled guidance only: one pass per step
-    ("flux", 3.5, {"true_cfg_scale": 2.5, "negative_prompt": "ugly"}, {"true_cfg_scale": 2.5}),
-    ("wan", 1.0, {"num_frames": 9}, {"num_frames": 9}),
-    ("wan", 4.5, {"num_frames": 9, "negative_prompt": "blurry"}, {"num_frames": 9}),  # CFG: two passes per step
-]
-
-
-@pytest.mark.parametrize("family,guidance_scale,options,pipe_kwargs", PARITY,
-                         ids=["flux", "flux-true-cfg", "wan", "wan-cfg"])
-def test_ode_rollout_reproduces_pipeline_exactly(family, guidance_scale, options, pipe_kwargs):
-    """The `ode` kernel over the adapter's schedule, from the adapter's noise, ends exactly where pipe() ends; the
-    adapter's decode is exactly the pipeline's decoded output."""
-    from trl_flow.models import get_adapter
-    from trl_flow.rollout import sample_trajectories
-
-    pipe = make_pipe(family)
-    adapter = get_adapter(pipe, **options)  # (Wan: swaps UniPC for flow-matching Euler first, as training does)
-    prompts = PROMPTS[:3]
-    K = 4
-    if "negative_prompt" in options:
-        pipe_kwargs = {**pipe_kwargs, "negative_prompt": [options["negative_prompt"]] * len(prompts)}
-    call = dict(height=HEIGHT, width=WIDTH, num_inference_steps=K, guidance_scale=guidance_scale,
-                max_sequence_length=MAX_SEQ, **pipe_kwargs)
-    out = pipe(prompts, generator=torch.Generator().manual_seed(3), output_type="latent", **call)
-    expected = out.images if family == "flux" else out.frames
-    noise = adapter.initial_noise(len(prompts), HEIGHT, WIDTH, torch.Generator().manual_seed(3))
-    with torch.no_grad():  # as the trainer encodes (T5 takes another code path with grad enabled)
-        embeds = adapter.encode_prompts(prompts, guidance_scale > 1, MAX_SEQ)
-    schedule = adapter.schedule(K, HEIGHT, WIDTH)
-    assert schedule.num_steps == K and float(schedule.sigmas[0]) == 1.0 and float(schedule.sigmas[-1]) == 0.0
-    traj = sample_trajectories(adapter, pipe.transformer, embeds, noise, schedule, ["ode"] * K, 0.0,
-                               guidance_scale, batch_size=len(prompts))
-    final = traj["states"][:, -1]
-    assert torch.equal(traj["states"][:, 0], noise)
-    if family == "flux":
-        assert final.shape == (3, 4, HEIGHT // 2, WIDTH // 2)  # stored unpacked; the pipeline returns packed
-        final = adapter.pack(final)
-    else:
-        assert final.shape == (3, 4, 3, HEIGHT // 8, WIDTH // 8)  # (B, C, F', h, w), F' = (9 - 1) / 4 + 1
-    assert torch.equal(final, expected)
-    # decoding: the same pixels as the pipeline's own output
-    decoded = pipe(prompts, generator=torch.Generator().manual_seed(3), output_type="pt", **call)
-    decoded = decoded.images if family == "flux" else decoded.frames
-    with torch.no_grad():
-        ours = adapter.decode(traj["states"][:, -1])
-    assert ours.shape == (3, *adapter.output_shape(HEIGHT, WIDTH))
-    assert torch.equal(ours, decoded)
-
-
+# ------------------------------------------------------------------------------------------- guidance
 def test_flux_guidance_is_the_distilled_embedding():
     """FLUX's guidance_scale changes the velocity through the guidance embedding, with one transformer pass."""
     from trl_flow.models import FluxAdapter
@@ -180,63 +130,6 @@ def family_config(config_class, tmp_path, family, **overrides):
     return config_class(**kwargs)
 
 
-@pytest.mark.parametrize("trainer_class", exported_trainers(), ids=lambda c: c.__name__)
-@pytest.mark.parametrize("family", FAMILIES)
-def test_every_trainer_trains_on_family(tmp_path, family, trainer_class):
-    """Two iterations; the first ratio of each is exactly 1; the LoRA moves; rewards get (B, 3, H, W) images or
-    (B, F, 3, H, W) videos; video sample strips are written."""
-    seen = []
-
-    def reward(images, prompts, **columns):
-        seen.append(tuple(images.shape))
-        return video_or_image_brightness(images, prompts)
-
-    config = family_config(trainer_class.config_class, tmp_path, family, log_images_steps=2)
-    trainer = trainer_class(config, make_pipe(family), [reward], train_dataset=PROMPTS)
-    expect = (3, HEIGHT, WIDTH) if family == "flux" else (5, 3, HEIGHT, WIDTH)
-    assert seen == [(2, *expect)]  # the reward check before any compute gets the family's output shape
-    before = [p.detach().clone() for p in trainer.trainable_params]
-    state = trainer.train()
-    assert all(s[1:] == expect for s in seen)
-    assert len(state.log_history) == 2
-    for entry in state.log_history:
-        if trainer_class.config_class.trains_on_log_probs:  # DiffusionNFT has no ratio (no log-probs)
-            assert entry["ratio_first_max_dev"] == 0.0
-        assert entry.get("kl_old_first_max", 0.0) == 0.0  # old-vs-new kernel KL before the first update
-        assert torch.isfinite(torch.tensor(entry["loss"])) and entry["nonfinite_skipped"] == 0
-    assert any(not torch.equal(b, p) for b, p in zip(before, trainer.trainable_params))
-    samples = tmp_path / "out" / "samples"
-    assert (samples / "train_step_2.png").exists()
-    if family == "wan":
-        assert len(list(samples.glob("train_step_2_*.*"))) == 8  # one GIF/MP4 per video
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_lora_round_trips_through_pipeline_loaders(tmp_path, family):
-    """save_model -> a fresh pipeline's load_lora_weights -> exactly the trained pipeline's output."""
-    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
-    from trl_flow.models import get_adapter
-
-    config = family_config(FlowGRPOConfig, tmp_path, family, max_steps=1, beta=0.0)
-    trainer = FlowGRPOTrainer(config, make_pipe(family), [video_or_image_brightness], train_dataset=PROMPTS)
-    trainer.train()
-    out = trainer.save_model(str(tmp_path / "final"))
-    fresh = make_pipe(family)
-    get_adapter(fresh)  # Wan: the same scheduler swap the trained pipeline got
-    call = dict(prompt=["a cat"], height=HEIGHT, width=WIDTH, num_inference_steps=3, max_sequence_length=MAX_SEQ,
-                output_type="latent", **({"num_frames": 5} if family == "wan" else {}))
-
-    def run(pipe):
-        with torch.no_grad():
-            return pipe(generator=torch.Generator().manual_seed(0), **call)[0]
-
-    base = run(fresh)
-    fresh.load_lora_weights(out)
-    loaded, trained = run(fresh), run(trainer.pipe)
-    assert torch.equal(loaded, trained)
-    assert (loaded - base).abs().max() > 1e-4  # the LoRA is not a no-op
-
-
 def test_wan_video_rollout_stays_within_memory_estimate(tmp_path):
     """Everything a Wan rollout stores besides the prompt embeddings is the documented estimate (states, means,
     log-probs, mask, decoded videos) plus a few scalars per sample."""
@@ -275,21 +168,6 @@ def test_unsupported_pipeline_lists_supported_ones():
 
     with pytest.raises(TypeError, match="FluxPipeline.*StableDiffusion3Pipeline.*WanPipeline"):
         get_adapter(MyPipeline())
-
-
-@pytest.mark.parametrize("overrides,match", [
-    ({"num_frames": 8}, "num_frames=8: Wan needs 4k \\+ 1"),
-    ({"height": 40}, "multiples of 16"),
-])
-def test_wan_bad_config_fails_before_compute(tmp_path, overrides, match):
-    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
-
-    calls = []
-    config = family_config(FlowGRPOConfig, tmp_path, "wan", **overrides)
-    with pytest.raises(ValueError, match=match):
-        FlowGRPOTrainer(config, make_pipe("wan"), [lambda im, p, **c: calls.append(1) or [0.0] * len(p)],
-                        train_dataset=PROMPTS)
-    assert calls == []
 
 
 def test_trainer_accepts_configured_adapter(tmp_path):

@@ -1,5 +1,6 @@
-"""FLUX.2-dev (Flux2Pipeline) and FLUX.2 [klein] (Flux2KleinPipeline) adapters against their own pipelines, and
-every trainer on both.
+"""What is particular to FLUX.2-dev (Flux2Pipeline) and FLUX.2 [klein] (Flux2KleinPipeline): schedule, guidance,
+LoRA targets, resume with EMA and two update passes, loading, recipes. Parity, every trainer, the LoRA round trip and
+bad sizes: rows "flux2", "flux2-klein", "flux2-klein-distilled" of test_models_conformance.py.
 
 Tiny random pipelines (trl_flow.testing.flux2), 32 x 32 px, latents (16, 8, 8), prompts of up to 40 tokens (the
 chat templates take about 25 of them).
@@ -10,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import HEIGHT, PROMPTS, WIDTH
-from test_models_families import exported_trainers
 
 from trl_flow.models import get_adapter, load_pipeline
 from trl_flow.models.flux2 import Flux2Adapter, Flux2KleinAdapter
@@ -23,12 +23,6 @@ GUIDANCE = {"flux2": 4.0, "klein": 4.0}  # FLUX.2-dev: distilled (embedding); Kl
 
 def make_pipe(family, **kwargs):
     return tiny_flux2_pipeline(**kwargs) if family == "flux2" else tiny_flux2_klein_pipeline(**kwargs)
-
-
-def pipeline_latents(adapter, states):
-    """What ``pipe(output_type="latent")`` returns for final states (B, C, h, w): FLUX.2-dev the packed tokens,
-    Klein the VAE's latents (batch norm undone, patches unfolded)."""
-    return adapter.pack(states) if isinstance(adapter, Flux2Adapter) else adapter.unpatchify(states)
 
 
 def brightness(images, prompts, **columns):
@@ -45,50 +39,6 @@ def flux2_config(config_class, tmp_path, family, **overrides):
     )
     kwargs.update(overrides)
     return config_class(**kwargs)
-
-
-# ------------------------------------------------------------------------------------------- pipeline parity
-PARITY = [
-    # (family, guidance_scale, builder kwargs)
-    ("flux2", 4.0, {}),  # distilled guidance: one pass per step, the value goes to the guidance embedding
-    ("klein", 4.0, {}),  # base model: true CFG against the empty prompt, two passes per step
-    ("klein", 1.0, {}),  # base model without guidance: one pass
-    ("klein", 4.0, {"is_distilled": True}),  # step-distilled: guidance ignored, one pass
-]
-
-
-@pytest.mark.parametrize("family,guidance_scale,build", PARITY, ids=["flux2", "klein-cfg", "klein", "klein-distilled"])
-def test_ode_rollout_reproduces_pipeline_exactly(family, guidance_scale, build):
-    """The `ode` kernel over the adapter's schedule, from the adapter's noise, ends exactly where pipe() ends, with
-    the same number of transformer passes; the adapter's decode is exactly the pipeline's decoded output."""
-    from trl_flow.rollout import sample_trajectories
-
-    pipe = make_pipe(family, **build)
-    adapter = get_adapter(pipe)
-    prompts, K = PROMPTS[:3], 4
-    passes = []
-    hook = pipe.transformer.register_forward_hook(lambda *a: passes.append(1))
-    call = dict(height=HEIGHT, width=WIDTH, num_inference_steps=K, guidance_scale=guidance_scale,
-                max_sequence_length=MAX_SEQ)
-    expected = pipe(prompt=prompts, generator=torch.Generator().manual_seed(3), output_type="latent", **call).images
-    pipe_passes, passes[:] = len(passes), []
-    noise = adapter.initial_noise(len(prompts), HEIGHT, WIDTH, torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        embeds = adapter.encode_prompts(prompts, guidance_scale > 1, MAX_SEQ)
-    schedule = adapter.schedule(K, HEIGHT, WIDTH)
-    assert schedule.num_steps == K and float(schedule.sigmas[0]) == 1.0 and float(schedule.sigmas[-1]) == 0.0
-    traj = sample_trajectories(adapter, pipe.transformer, embeds, noise, schedule, ["ode"] * K, 0.0,
-                               guidance_scale, batch_size=len(prompts))
-    hook.remove()
-    assert len(passes) == pipe_passes == K * (2 if family == "klein" and guidance_scale > 1 and not build else 1)
-    final = traj["states"][:, -1]
-    assert torch.equal(traj["states"][:, 0], noise)
-    assert final.shape == (3, 16, HEIGHT // 4, WIDTH // 4)  # patchified, batch-normalised, as the pipeline's noise
-    assert torch.equal(pipeline_latents(adapter, final), expected)
-    decoded = pipe(prompt=prompts, generator=torch.Generator().manual_seed(3), output_type="pt", **call).images
-    with torch.no_grad():
-        ours = adapter.decode(final)
-    assert ours.shape == (3, 3, HEIGHT, WIDTH) and torch.equal(ours, decoded)
 
 
 def test_schedule_is_the_pipelines_empirical_shift():
@@ -184,60 +134,7 @@ def test_default_lora_targets_are_diffusers_flux2_scripts():
         + [f"single_transformer_blocks.{i}.attn.{p}" for i in range(2) for p in ("to_out", "to_qkv_mlp_proj")])
 
 
-# ---------------------------------------------------------------------------------------- every trainer
-@pytest.mark.parametrize("trainer_class", exported_trainers(), ids=lambda c: c.__name__)
-@pytest.mark.parametrize("family", FAMILIES)
-def test_every_trainer_trains_on_flux2(tmp_path, family, trainer_class):
-    """Two iterations with guidance on (Klein: CFG); the first ratio of each is exactly 1 (trainers with a ratio);
-    losses are finite; the LoRA moves; rewards get (B, 3, H, W) images in [0, 1]."""
-    seen = []
-
-    def reward(images, prompts, **columns):
-        seen.append((tuple(images.shape), float(images.min()), float(images.max())))
-        return brightness(images, prompts)
-
-    config = flux2_config(trainer_class.config_class, tmp_path, family)
-    trainer = trainer_class(config, make_pipe(family), [reward], train_dataset=PROMPTS)
-    before = [p.detach().clone() for p in trainer.trainable_params]
-    state = trainer.train()
-    assert all(s[0][1:] == (3, HEIGHT, WIDTH) and 0.0 <= s[1] <= s[2] <= 1.0 for s in seen)
-    assert len(state.log_history) == 2
-    for entry in state.log_history:
-        assert entry.get("ratio_first_max_dev", 0.0) == 0.0  # DiffusionNFT has no ratio
-        assert entry.get("kl_old_first_max", 0.0) == 0.0
-        assert torch.isfinite(torch.tensor(entry["loss"])) and entry["nonfinite_skipped"] == 0
-    assert any(not torch.equal(b, p) for b, p in zip(before, trainer.trainable_params))
-
-
-# ----------------------------------------------------------------------------------- LoRA, resume, loading
-@pytest.mark.parametrize("family", FAMILIES)
-def test_lora_round_trips_through_pipeline_loaders(tmp_path, family):
-    """save_model (the pipeline class's save_lora_weights) -> a fresh pipeline's load_lora_weights -> exactly the
-    trained pipeline's samples."""
-    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
-
-    config = flux2_config(FlowGRPOConfig, tmp_path, family, max_steps=1, beta=0.0)
-    trainer = FlowGRPOTrainer(config, make_pipe(family), [brightness], train_dataset=PROMPTS)
-    trainer.train()
-    out = trainer.save_model(str(tmp_path / "final"))
-    fresh = make_pipe(family)
-    call = dict(prompt=["a cat", "a red dog"], height=HEIGHT, width=WIDTH, num_inference_steps=3,
-                guidance_scale=GUIDANCE[family], max_sequence_length=MAX_SEQ, output_type="pt")
-
-    def run(pipe):
-        with torch.no_grad():
-            return pipe(generator=torch.Generator().manual_seed(0), **call).images
-
-    base = run(fresh)
-    fresh.load_lora_weights(out)
-    loaded, trained = run(fresh), run(trainer.pipe)
-    assert torch.equal(loaded, trained)
-    assert (loaded - base).abs().max() > 1e-4  # the LoRA is not a no-op
-    cfg = fresh.transformer.peft_config["default_0"]
-    assert cfg.r == 4 and cfg.lora_alpha == 8
-    assert "to_qkv_mlp_proj" in cfg.target_modules
-
-
+# ----------------------------------------------------------------------------------------- resume, loading
 @pytest.mark.parametrize("family", FAMILIES)
 def test_resume_repeats_an_uninterrupted_run(tmp_path, family):
     """4 iterations straight == 2 iterations, checkpoint, a fresh trainer resumed for 2 more: LoRA, EMA and logged
@@ -282,29 +179,6 @@ def test_load_pipeline_round_trip(tmp_path, family):
                 output_type="latent")
     assert torch.equal(pipe(generator=torch.Generator().manual_seed(0), **call).images,
                        loaded(generator=torch.Generator().manual_seed(0), **call).images)
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("overrides,match", [
-    ({"height": 30}, "height=30, width=32: must be multiples of 4"),
-    ({"width": 34}, "height=32, width=34: must be multiples of 4"),
-])
-def test_bad_size_fails_before_compute(tmp_path, family, overrides, match):
-    """A size the 2x2 patches cannot tile is refused by the trainer before any reward, encoder or transformer
-    call (the pipeline itself would silently round it down)."""
-    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
-
-    calls = []
-    pipe = make_pipe(family)
-    hook = pipe.transformer.register_forward_hook(lambda *a: calls.append("transformer"))
-    hook_text = pipe.text_encoder.register_forward_hook(lambda *a: calls.append("text_encoder"))
-    config = flux2_config(FlowGRPOConfig, tmp_path, family, **overrides)
-    with pytest.raises(ValueError, match=match):
-        FlowGRPOTrainer(config, pipe, [lambda im, p, **c: calls.append("reward") or [0.0] * len(p)],
-                        train_dataset=PROMPTS)
-    hook.remove()
-    hook_text.remove()
-    assert calls == []
 
 
 def test_bad_text_encoder_layers_are_refused():

@@ -1,4 +1,6 @@
-"""FLUX.1 Kontext (FluxKontextPipeline, image editing) against its own pipeline, and every trainer on it.
+"""What is particular to FLUX.1 Kontext (FluxKontextPipeline, image editing): sources, source sizes, evaluation,
+loading, bad sources, the recipe. Parity, every trainer, the LoRA round trip, resume with EMA: row "flux-kontext" of
+test_models_conformance.py.
 
 Tiny random pipeline (trl_flow.testing.flux_kontext), 32 x 32 px generated and source images (latents (4, 16, 16)),
 ``source_size="source"`` (the pipeline's ``_auto_resize=False``; "auto" would encode every source at ~1024 px).
@@ -37,49 +39,6 @@ def kontext_config(config_class, tmp_path, **overrides):
     )
     kwargs.update(overrides)
     return config_class(**kwargs)
-
-
-# ------------------------------------------------------------------------------------------- pipeline parity
-@pytest.mark.parametrize("options,pipe_kwargs", [
-    ({}, {}),  # distilled guidance: one pass per step
-    ({"true_cfg_scale": 2.0, "negative_prompt": "ugly"}, {"true_cfg_scale": 2.0, "negative_prompt": "ugly"}),
-], ids=["kontext", "kontext-true-cfg"])
-def test_ode_rollout_reproduces_pipeline_exactly(options, pipe_kwargs):
-    """Per source image: the `ode` kernel from the adapter's noise ends exactly where
-    pipe(image=..., prompt=..., output_type="latent") ends, with the source's tokens in every transformer call and
-    the same number of passes; decode is exactly the pipeline's output_type="pt" image. Two sources of another
-    size (24 x 40) too: the generated tokens' count, not the source's, sets the schedule."""
-    from trl_flow.rollout import sample_trajectories
-
-    pipe = tiny_flux_kontext_pipeline()
-    adapter = FluxKontextAdapter(pipe, source_size="source", **options)
-    K, g = 3, 2.5
-    passes = []
-    hook = pipe.transformer.register_forward_hook(lambda m, a, kw, o: passes.append(kw["hidden_states"].shape[1]),
-                                                  with_kwargs=True)
-    for i, (prompt, src) in enumerate([(PROMPTS[0], source(0)), (PROMPTS[1], source(1, (40, 24)))]):
-        call = dict(prompt=prompt, image=src, height=HEIGHT, width=WIDTH, max_area=HEIGHT * WIDTH,
-                    _auto_resize=False, num_inference_steps=K, guidance_scale=g, max_sequence_length=MAX_SEQ,
-                    **pipe_kwargs)
-        expected = pipe(generator=torch.Generator().manual_seed(i), output_type="latent", **call).images
-        decoded = pipe(generator=torch.Generator().manual_seed(i), output_type="pt", **call).images
-        pipe_passes, passes[:] = list(passes), []
-        noise = adapter.initial_noise(1, HEIGHT, WIDTH, torch.Generator().manual_seed(i))
-        with torch.no_grad():
-            embeds = adapter.encode_prompts([prompt], False, MAX_SEQ, images=[src])
-        w, h = src.size
-        assert embeds["image"].shape == (1, 4, h // 2, w // 2)
-        traj = sample_trajectories(adapter, pipe.transformer, embeds, noise, adapter.schedule(K, HEIGHT, WIDTH),
-                                   ["ode"] * K, 0.0, g, batch_size=1)
-        final = traj["states"][:, -1]
-        assert torch.equal(adapter.pack(final), expected)
-        with torch.no_grad():
-            assert torch.equal(adapter.decode(final), decoded)
-        tokens = (HEIGHT // 4) * (WIDTH // 4) + (h // 4) * (w // 4)
-        assert passes == pipe_passes[: len(passes)] and set(passes) == {tokens}
-        assert len(passes) == K * (2 if options else 1)
-        passes[:] = []
-    hook.remove()
 
 
 def test_source_changes_the_velocity_and_embeds_index_and_concatenate():
@@ -122,35 +81,7 @@ def test_auto_source_size_is_the_pipelines_preferred_resolution():
     assert get_adapter(pipe).source_size == "auto" and get_adapter(pipe).conditioning == "text_and_image"
 
 
-# ---------------------------------------------------------------------------------------- every trainer
-@pytest.mark.parametrize("trainer_class", exported_trainers(), ids=lambda c: c.__name__)
-def test_every_trainer_trains_on_flux_kontext(tmp_path, edit_dataset, trainer_class):
-    """Two iterations on an editing dataset (paths): losses finite, the LoRA moves; every reward call gets the
-    images and the decoded sources (B, 3, H, W) float32 at the generated size, matching the prompts' rows."""
-    from trl_flow.editing import load_source, source_tensor
-
-    expected = {p: source_tensor([load_source(s, 0, "source_image")], HEIGHT, WIDTH)[0]
-                for p, s in zip(edit_dataset["prompt"], edit_dataset["source_image"])}
-    seen = []
-
-    def reward(images, prompts, source_image=None, **columns):
-        assert source_image.dtype == torch.float32 and source_image.shape == images.shape
-        assert all(torch.equal(source_image[i], expected[p]) for i, p in enumerate(prompts))
-        seen.append(len(prompts))
-        return 1 - (images - source_image).abs().mean(dim=(1, 2, 3))
-
-    config = kontext_config(trainer_class.config_class, tmp_path)
-    trainer = trainer_class(config, make_adapter(), [reward], train_dataset=edit_dataset)
-    before = [p.detach().clone() for p in trainer.trainable_params]
-    state = trainer.train()
-    assert sum(seen) >= 2 + 2 * 8  # the start-up check, then every sample of both iterations
-    assert len(state.log_history) == 2
-    for entry in state.log_history:
-        assert entry.get("ratio_first_max_dev", 0.0) == 0.0
-        assert torch.isfinite(torch.tensor(entry["loss"])) and entry["nonfinite_skipped"] == 0
-    assert any(not torch.equal(b, p) for b, p in zip(before, trainer.trainable_params))
-
-
+# ---------------------------------------------------------------------------------------------- training
 def test_only_the_rows_of_an_iteration_are_decoded(tmp_path, edit_dataset, monkeypatch):
     """Lazy loading: one iteration of 1 prompt decodes only that prompt's source (not the dataset's 4)."""
     import trl_flow.editing as editing
@@ -183,60 +114,7 @@ def test_evaluate_and_generate_condition_on_the_eval_sources(tmp_path, edit_data
     assert not torch.allclose(images, swapped)
 
 
-# ----------------------------------------------------------------------------------- LoRA, resume, loading
-def test_lora_round_trips_through_the_pipeline_loader(tmp_path, edit_dataset):
-    """save_model -> a fresh FluxKontextPipeline's load_lora_weights -> exactly the trained pipeline's edits."""
-    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
-
-    config = kontext_config(FlowGRPOConfig, tmp_path, max_steps=1, beta=0.0)
-    trainer = FlowGRPOTrainer(config, make_adapter(), [brightness], train_dataset=edit_dataset)
-    trainer.train()
-    out = trainer.save_model(str(tmp_path / "final"))
-    fresh = tiny_flux_kontext_pipeline()
-    call = dict(prompt=PROMPTS[:2], image=source(0), height=HEIGHT, width=WIDTH, max_area=HEIGHT * WIDTH,
-                _auto_resize=False, num_inference_steps=3, guidance_scale=2.5, max_sequence_length=MAX_SEQ,
-                output_type="pt")
-
-    def run(pipe):
-        with torch.no_grad():
-            return pipe(generator=torch.Generator().manual_seed(0), **call).images
-
-    base = run(fresh)
-    fresh.load_lora_weights(out)
-    loaded, trained = run(fresh), run(trainer.pipe)
-    assert torch.equal(loaded, trained) and (loaded - base).abs().max() > 1e-4
-    cfg = fresh.transformer.peft_config["default_0"]
-    assert cfg.r == 4 and cfg.lora_alpha == 8 and "ff_context.net.2" in cfg.target_modules
-
-
-def test_resume_repeats_an_uninterrupted_run(tmp_path, edit_dataset):
-    """3 iterations straight == 1, checkpoint, a fresh trainer and pipeline resumed for 2 more: LoRA, EMA and
-    logged values bit for bit (the sources are re-read from the dataset on resume)."""
-    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
-
-    def run(name, max_steps, resume=None, **kw):
-        config = kontext_config(FlowGRPOConfig, tmp_path, output_dir=str(tmp_path / name), max_steps=max_steps,
-                                ema_decay=0.9, prompts_per_step=2, learning_rate=3e-3, **kw)
-        trainer = FlowGRPOTrainer(config, make_adapter(), [brightness], train_dataset=edit_dataset)
-        trainer.train(resume_from_checkpoint=resume)
-        return trainer
-
-    def lora(trainer):
-        return {n: p.detach().clone() for n, p in trainer.pipe.transformer.named_parameters() if "lora_" in n}
-
-    straight = run("a", 3)
-    run("b", 1, save_steps=1)
-    torch.manual_seed(1234)
-    resumed = run("b", 3, resume=str(tmp_path / "b" / "checkpoint-1"), save_steps=1)
-    assert resumed.state.global_step == 3
-    wa, wb = lora(straight), lora(resumed)
-    assert wa.keys() == wb.keys() and wa and all(torch.equal(wa[k], wb[k]) for k in wa)
-    assert all(torch.equal(a, b) for a, b in zip(straight.ema.shadow_params, resumed.ema.shadow_params))
-    keys = ("loss", "reward", "kl", "ratio_max")
-    assert [[e[k] for k in keys] for e in resumed.state.log_history[1:]] == [
-        [e[k] for k in keys] for e in straight.state.log_history[1:]]
-
-
+# ------------------------------------------------------------------------------------------------ loading
 def test_load_pipeline_round_trip(tmp_path):
     pipe = tiny_flux_kontext_pipeline()
     pipe.save_pretrained(tmp_path / "pipe")

@@ -1,11 +1,12 @@
-"""Qwen-Image-Edit (QwenImageEditPipeline, and QwenImageEditPlusPipeline for -2509) against its own pipeline, and
-every trainer on it.
+"""What is particular to Qwen-Image-Edit (QwenImageEditPipeline, and QwenImageEditPlusPipeline for -2509): the 1 MP
+source rule, source conditioning, options, evaluation, bad sources, the recipe. Parity, every trainer, the LoRA round
+trip, resume with EMA: rows "qwen-image-edit" and "qwen-image-plus" of test_models_conformance.py.
 
 Tiny random pipelines (trl_flow.testing.qwen_image_edit), 32 x 32 px generated images (latents (4, 8, 8), 16
 tokens). The pipelines resize every source to 1 MP (16384 tokens of this VAE, ~25 s to encode on CPU), so the
-adapter runs with ``source_size="output"`` (32 x 32: 16 source tokens) and pipe() is compared with its source area
-set to the same (``pipe_area`` below); ``test_auto_source_is_the_pipelines_1mp_image`` checks the 1 MP rule itself
-on the inputs of the vision-language encoder and the VAE.
+adapter runs with ``source_size="output"`` (32 x 32: 16 source tokens); the conformance suite compares pipe() with
+its source area set to the same; ``test_auto_source_is_the_pipelines_1mp_image`` checks the 1 MP rule itself on the
+inputs of the vision-language encoder and the VAE.
 """
 
 from __future__ import annotations
@@ -18,24 +19,11 @@ import torch
 from conftest import EDIT_PROMPTS as PROMPTS
 from conftest import HEIGHT, MAX_SEQ, WIDTH
 from conftest import source_image as source
-from test_models_families import exported_trainers, family_config
+from test_models_families import family_config
 
 from trl_flow.models import get_adapter
 from trl_flow.models.qwen_image_edit import QwenImageEditAdapter, QwenImageEditPlusAdapter
 from trl_flow.testing import tiny_qwen_image_edit_pipeline
-
-@pytest.fixture
-def pipe_area(monkeypatch):
-    """Both pipelines resize the source to HEIGHT x WIDTH's area instead of 1024 x 1024's (what the adapter does
-    with source_size="output"); every other step of pipe() is unchanged."""
-    import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit as edit
-    import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus as plus
-
-    rule = edit.calculate_dimensions
-    monkeypatch.setattr(edit, "calculate_dimensions",
-                        lambda area, ratio: rule(HEIGHT * WIDTH if area == 1024 * 1024 else area, ratio))
-    monkeypatch.setattr(plus, "VAE_IMAGE_SIZE", HEIGHT * WIDTH)
-
 
 ADAPTERS = {"edit": QwenImageEditAdapter, "plus": QwenImageEditPlusAdapter}
 
@@ -50,53 +38,6 @@ def brightness(images, prompts, **columns):
 
 def edit_config(config_class, tmp_path, **overrides):
     return family_config(config_class, tmp_path, "qwen", **overrides)  # guidance_scale 4.5: true CFG, two passes
-
-
-def lora_params(trainer):
-    return {n: p.detach().clone() for n, p in trainer.pipe.transformer.named_parameters() if "lora_" in n}
-
-
-# ------------------------------------------------------------------------------------------- pipeline parity
-@pytest.mark.parametrize("true_cfg_scale", [1.0, 4.0], ids=["plain", "true-cfg"])
-@pytest.mark.parametrize("variant", ["edit", "plus"])
-def test_ode_rollout_reproduces_pipeline_exactly(pipe_area, variant, true_cfg_scale):
-    """Per source: the `ode` kernel from the adapter's noise ends exactly where
-    pipe(image=..., prompt=..., output_type="latent") ends, with the source's tokens after the generated ones in
-    every transformer call and the same number of passes (two with true CFG); decode is exactly the pipeline's
-    output_type="pt" image."""
-    from trl_flow.rollout import sample_trajectories
-
-    pipe = tiny_qwen_image_edit_pipeline(variant=variant)
-    adapter = get_adapter(pipe, source_size="output", output_size=(HEIGHT, WIDTH))
-    assert type(adapter) is ADAPTERS[variant]
-    K, guided = 3, true_cfg_scale > 1
-    passes = []
-    hook = pipe.transformer.register_forward_hook(
-        lambda m, a, kw, o: passes.append((kw["hidden_states"].shape[1], kw["img_shapes"])), with_kwargs=True)
-    for i, prompt in enumerate(PROMPTS[:2]):
-        src = source(i)
-        call = dict(image=src, prompt=prompt, height=HEIGHT, width=WIDTH, num_inference_steps=K,
-                    true_cfg_scale=true_cfg_scale, negative_prompt=" " if guided else None,
-                    max_sequence_length=MAX_SEQ)
-        expected = pipe(generator=torch.Generator().manual_seed(i), output_type="latent", **call).images
-        decoded = pipe(generator=torch.Generator().manual_seed(i), output_type="pt", **call).images
-        pipe_passes, passes[:] = passes[: len(passes) // 2], []
-        noise = adapter.initial_noise(1, HEIGHT, WIDTH, torch.Generator().manual_seed(i))
-        with torch.no_grad():
-            embeds = adapter.encode_prompts([prompt], guided, MAX_SEQ, images=[src])
-        assert embeds["image_latents"].shape == (1, 4, HEIGHT // 4, WIDTH // 4)
-        assert ("negative_prompt_embeds" in embeds) == guided
-        traj = sample_trajectories(adapter, pipe.transformer, embeds, noise, adapter.schedule(K, HEIGHT, WIDTH),
-                                   ["ode"] * K, 0.0, true_cfg_scale, batch_size=1)
-        final = traj["states"][:, -1]
-        assert torch.equal(adapter.pack(final), expected)
-        with torch.no_grad():
-            assert torch.equal(adapter.decode(final), decoded)
-        assert passes == pipe_passes and len(passes) == K * (2 if guided else 1)
-        assert {p[0] for p in passes} == {16 + 16}  # 16 generated tokens, then the source's 16
-        assert passes[0][1] == [[(1, 4, 4), (1, 4, 4)]]
-        passes[:] = []
-    hook.remove()
 
 
 @pytest.mark.parametrize("variant", ["edit", "plus"])
@@ -211,38 +152,6 @@ def test_source_image_size_in_the_config_and_the_adapter(tmp_path, edit_dataset)
         get_adapter(pipe)
 
 
-# ---------------------------------------------------------------------------------------- every trainer
-@pytest.mark.parametrize("trainer_class", exported_trainers(), ids=lambda c: c.__name__)
-def test_every_trainer_trains_on_qwen_image_edit(tmp_path, edit_dataset, trainer_class):
-    """Two iterations on an editing dataset (paths), true CFG: losses finite, the LoRA moves; every reward call gets
-    the images and the decoded sources (B, 3, H, W) float32 at the generated size, matching the prompts' rows."""
-    from trl_flow.editing import load_source, source_tensor
-
-    expected = {p: source_tensor([load_source(s, 0, "source_image")], HEIGHT, WIDTH)[0]
-                for p, s in zip(edit_dataset["prompt"], edit_dataset["source_image"])}
-    seen = []
-
-    def reward(images, prompts, source_image=None, **columns):
-        assert source_image.dtype == torch.float32 and source_image.shape == images.shape
-        assert all(torch.equal(source_image[i], expected[p]) for i, p in enumerate(prompts))
-        seen.append(len(prompts))
-        return 1 - (images - source_image).abs().mean(dim=(1, 2, 3))
-
-    config = edit_config(trainer_class.config_class, tmp_path, source_image_size="output")
-    trainer = trainer_class(config, tiny_qwen_image_edit_pipeline(), [reward], train_dataset=edit_dataset)
-    assert isinstance(trainer.adapter, QwenImageEditAdapter) and trainer.adapter.source_size == "output"
-    before = lora_params(trainer)
-    assert before and all(".to_" in n for n in before)
-    state = trainer.train()
-    assert sum(seen) >= 2 + 2 * 8  # the start-up check, then every sample of both iterations
-    assert len(state.log_history) == 2
-    for entry in state.log_history:
-        assert entry.get("ratio_first_max_dev", 0.0) == 0.0
-        assert torch.isfinite(torch.tensor(entry["loss"])) and entry["nonfinite_skipped"] == 0
-    after = lora_params(trainer)
-    assert any(not torch.equal(before[n], after[n]) for n in before)
-
-
 def test_evaluate_and_generate_condition_on_the_eval_sources(tmp_path, edit_dataset):
     """evaluate() samples each eval prompt with its own source; generate(columns=...) equals it, and swapping the
     sources changes the images."""
@@ -261,57 +170,7 @@ def test_evaluate_and_generate_condition_on_the_eval_sources(tmp_path, edit_data
     assert not torch.allclose(images, swapped)
 
 
-# ----------------------------------------------------------------------------------- LoRA, resume, bad input
-@pytest.mark.parametrize("variant", ["edit", "plus"])
-def test_lora_round_trips_through_the_pipeline_loader(tmp_path, edit_dataset, pipe_area, variant):
-    """save_model -> a fresh pipeline's load_lora_weights -> exactly the trained pipeline's edits (true CFG)."""
-    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
-
-    config = edit_config(FlowGRPOConfig, tmp_path, max_steps=1, beta=0.0)
-    trainer = FlowGRPOTrainer(config, make_adapter(variant), [brightness], train_dataset=edit_dataset)
-    trainer.train()
-    out = trainer.save_model(str(tmp_path / "final"))
-    fresh = tiny_qwen_image_edit_pipeline(variant=variant)
-    call = dict(image=source(0), prompt="make it red", negative_prompt=" ", true_cfg_scale=4.5, height=HEIGHT,
-                width=WIDTH, num_inference_steps=3, max_sequence_length=MAX_SEQ, output_type="latent")
-
-    def run(pipe):
-        with torch.no_grad():
-            return pipe(generator=torch.Generator().manual_seed(0), **call).images
-
-    base = run(fresh)
-    fresh.load_lora_weights(out)
-    loaded, trained = run(fresh), run(trainer.pipe)
-    assert torch.equal(loaded, trained) and (loaded - base).abs().max() > 1e-4
-    assert set(fresh.transformer.peft_config["default_0"].target_modules) == {"to_k", "to_q", "to_v", "to_out.0"}
-    assert type(fresh).__name__ in trainer.adapter.lora_load_code("me/lora")
-
-
-def test_resume_repeats_an_uninterrupted_run(tmp_path, edit_dataset):
-    """3 iterations straight == 1, checkpoint, a fresh trainer and pipeline resumed for 2 more: LoRA, EMA and
-    logged values bit for bit (the sources are re-read from the dataset on resume)."""
-    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
-
-    def run(name, max_steps, resume=None, **kw):
-        config = edit_config(FlowGRPOConfig, tmp_path, output_dir=str(tmp_path / name), max_steps=max_steps,
-                             ema_decay=0.9, prompts_per_step=2, learning_rate=3e-3, source_image_size="output", **kw)
-        trainer = FlowGRPOTrainer(config, tiny_qwen_image_edit_pipeline(), [brightness], train_dataset=edit_dataset)
-        trainer.train(resume_from_checkpoint=resume)
-        return trainer
-
-    straight = run("a", 3)
-    run("b", 1, save_steps=1)
-    torch.manual_seed(1234)
-    resumed = run("b", 3, resume=str(tmp_path / "b" / "checkpoint-1"), save_steps=1)
-    assert resumed.state.global_step == 3
-    wa, wb = lora_params(straight), lora_params(resumed)
-    assert wa.keys() == wb.keys() and wa and all(torch.equal(wa[k], wb[k]) for k in wa)
-    assert all(torch.equal(a, b) for a, b in zip(straight.ema.shadow_params, resumed.ema.shadow_params))
-    keys = ("loss", "reward", "kl", "ratio_max")
-    assert [[e[k] for k in keys] for e in resumed.state.log_history[1:]] == [
-        [e[k] for k in keys] for e in straight.state.log_history[1:]]
-
-
+# ------------------------------------------------------------------------------------------------ bad input
 @pytest.mark.parametrize("bad,match", [
     ("missing", r"train_dataset: row 2, column `source_image`: image file '.*nope.png' not found"),
     ("garbage", r"train_dataset: row 2, column `source_image`: '.*bad.png' is not a readable image"),

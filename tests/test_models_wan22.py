@@ -397,6 +397,7 @@ def _ddp_run(out: str) -> None:
     FlowGRPOTrainer(config, tiny_wan22_pipeline(), [video_or_image_brightness], train_dataset=PROMPTS).train()
 
 
+@pytest.mark.slow
 def test_both_experts_train_under_ddp_with_two_processes(tmp_path):
     """Each step runs one expert, so DDP must look for unused parameters (the adapter's partial_forward): without
     it the second iteration fails ("Expected to have finished reduction in the prior iteration")."""

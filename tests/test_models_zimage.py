@@ -1,6 +1,7 @@
-"""Z-Image (ZImagePipeline) through ZImageAdapter: parity with pipe() (no guidance as Z-Image-Turbo samples, CFG,
-CFG with the pipeline's normalisation and truncation), every trainer, LoRA round trip through the pipeline's loader,
-resume, loading, bad input.
+"""What is particular to Z-Image (ZImagePipeline, ZImageAdapter): embeddings, timesteps, CFG options, detach_uncond,
+the turbo setting, loading, RoPE limits, the recipe. Parity (no guidance as Z-Image-Turbo samples, CFG, CFG with the
+pipeline's normalisation and truncation), every trainer, the LoRA round trip, resume with EMA, bad sizes: row
+"zimage" of test_models_conformance.py.
 
 Tiny random ZImagePipeline (trl_flow.testing.tiny_zimage_pipeline), 32 x 32 px: latents (4, 16, 16), 64 image
 tokens; prompts of 24 to 50 tokens after Qwen3's chat template (so the transformer's batch is padded and masked).
@@ -11,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import HEIGHT, PROMPTS, WIDTH
-from test_models_families import exported_trainers, family_config, video_or_image_brightness
+from test_models_families import family_config, video_or_image_brightness
 
 from trl_flow.models import get_adapter
 from trl_flow.models.zimage import ZImageAdapter
@@ -31,7 +32,7 @@ def lora_params(trainer):
     return {n: p.detach().clone() for n, p in trainer.pipe.transformer.named_parameters() if "lora_" in n}
 
 
-# ------------------------------------------------------------------------------------------- pipeline parity
+# ----------------------------------------------------------------------------------- encoding, guidance
 PARITY = [
     # (guidance_scale, adapter options)
     (0.0, {}),  # Z-Image-Turbo: one pass per step
@@ -49,41 +50,6 @@ def _pipe_call(pipe, prompts, guidance_scale, options, output_type, K=4):
                 **kwargs).images
 
 
-def _ode(adapter, prompts, guidance_scale, K=4):
-    from trl_flow.rollout import sample_trajectories
-
-    noise = adapter.initial_noise(len(prompts), HEIGHT, WIDTH, torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        embeds = adapter.encode_prompts(prompts, guidance_scale > 0, MAX_SEQ)
-    schedule = adapter.schedule(K, HEIGHT, WIDTH)
-    traj = sample_trajectories(adapter, adapter.transformer, embeds, noise, schedule, ["ode"] * K, 0.0,
-                               guidance_scale, batch_size=len(prompts))
-    assert torch.equal(traj["states"][:, 0], noise)
-    return traj["states"][:, -1], embeds, schedule
-
-
-@pytest.mark.parametrize("guidance_scale,options", PARITY, ids=["turbo-no-cfg", "cfg", "cfg-norm-trunc"])
-def test_ode_rollout_reproduces_pipeline_exactly(guidance_scale, options):
-    """The `ode` kernel over the adapter's schedule, from the adapter's noise, ends exactly where
-    pipe(output_type="latent") ends (prompts of different lengths: the transformer pads and masks them); decode is
-    exactly the pipeline's output_type="pt" image."""
-    pipe = tiny_zimage_pipeline()
-    adapter = ZImageAdapter(pipe, **options)
-    prompts = LONG_PROMPTS[:3]
-    expected = _pipe_call(pipe, prompts, guidance_scale, options, "latent")
-    final, embeds, schedule = _ode(adapter, prompts, guidance_scale)
-    assert final.shape == (3, 4, HEIGHT // 2, WIDTH // 2)
-    assert torch.equal(final, expected)
-    lengths = embeds["prompt_mask"].sum(1).tolist()
-    assert embeds["prompt_embeds"].shape[:2] == (3, MAX_SEQ) and len(set(lengths)) == 3  # padded + masked
-    assert ("negative_prompt_embeds" in embeds) == (guidance_scale > 0)
-    assert schedule.num_steps == 4 and float(schedule.sigmas[0]) == 1.0 and float(schedule.sigmas[-1]) == 0.0
-    decoded = _pipe_call(pipe, prompts, guidance_scale, options, "pt")
-    with torch.no_grad():
-        ours = adapter.decode(final)
-    assert ours.shape == (3, *adapter.output_shape(HEIGHT, WIDTH)) and torch.equal(ours, decoded)
-
-
 def test_embeddings_are_the_pipelines_list():
     """Unpadding the stored (B, L, D) embeddings with their mask gives exactly pipe.encode_prompt's per-prompt
     list (cond and negative)."""
@@ -93,6 +59,8 @@ def test_embeddings_are_the_pipelines_list():
         ours = adapter.encode_prompts(LONG_PROMPTS, True, MAX_SEQ)
         pe, npe = pipe.encode_prompt(list(LONG_PROMPTS), do_classifier_free_guidance=True,
                                      negative_prompt=["blurry"] * 4, max_sequence_length=MAX_SEQ)
+    lengths = ours["prompt_mask"].sum(1).tolist()
+    assert ours["prompt_embeds"].shape[:2] == (4, MAX_SEQ) and len(set(lengths[:3])) == 3  # padded + masked
     lists = adapter.pipeline_embeds(ours)
     for got, want in ((lists["prompt_embeds"], pe), (lists["negative_prompt_embeds"], npe)):
         assert [g.shape for g in got] == [w.shape for w in want] and all(map(torch.equal, got, want))
@@ -172,30 +140,7 @@ def test_detach_uncond_keeps_value_and_drops_uncond_gradient():
     assert not torch.allclose(g_full, g_cond)
 
 
-# ---------------------------------------------------------------------------------------- every trainer
-@pytest.mark.parametrize("trainer_class", exported_trainers(), ids=lambda c: c.__name__)
-def test_every_trainer_trains_on_zimage(tmp_path, trainer_class):
-    """Two iterations with CFG; the first ratio of each is exactly 1; the LoRA moves; rewards get (B, 3, H, W)."""
-    seen = []
-
-    def reward(images, prompts, **columns):
-        seen.append(tuple(images.shape))
-        return video_or_image_brightness(images, prompts)
-
-    config = zimage_config(trainer_class.config_class, tmp_path)
-    trainer = trainer_class(config, tiny_zimage_pipeline(), [reward], train_dataset=LONG_PROMPTS)
-    assert isinstance(trainer.adapter, ZImageAdapter)
-    before = [p.detach().clone() for p in trainer.trainable_params]
-    state = trainer.train()
-    assert all(s[1:] == (3, HEIGHT, WIDTH) for s in seen)
-    assert len(state.log_history) == 2
-    for entry in state.log_history:
-        assert entry.get("ratio_first_max_dev", 0.0) == 0.0
-        assert entry.get("kl_old_first_max", 0.0) == 0.0
-        assert torch.isfinite(torch.tensor(entry["loss"])) and entry["nonfinite_skipped"] == 0
-    assert any(not torch.equal(b, p) for b, p in zip(before, trainer.trainable_params))
-
-
+# --------------------------------------------------------------------------------------------- training
 def test_turbo_setting_trains_with_one_pass_per_step(tmp_path):
     """guidance_scale=0 (Z-Image-Turbo): no negative prompt is encoded, one transformer call per velocity."""
     from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
@@ -208,59 +153,6 @@ def test_turbo_setting_trains_with_one_pass_per_step(tmp_path):
     state = trainer.train()
     assert state.log_history[0]["ratio_first_max_dev"] == 0.0
     assert any(not torch.equal(before[n], p) for n, p in lora_params(trainer).items())
-
-
-def test_lora_round_trips_through_pipeline_loader(tmp_path):
-    """save_model -> a fresh pipeline's load_lora_weights -> exactly the trained pipeline's output, with the
-    default targets of diffusers' Z-Image LoRA script."""
-    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
-
-    config = zimage_config(FlowGRPOConfig, tmp_path, max_steps=1, beta=0.0)
-    trainer = FlowGRPOTrainer(config, tiny_zimage_pipeline(), [video_or_image_brightness], train_dataset=PROMPTS)
-    trainer.train()
-    out = trainer.save_model(str(tmp_path / "final"))
-    fresh = tiny_zimage_pipeline()
-
-    def run(pipe):
-        with torch.no_grad():
-            return pipe(["a cat", "a red dog"], height=HEIGHT, width=WIDTH, num_inference_steps=3, guidance_scale=2.0,
-                        max_sequence_length=MAX_SEQ, output_type="latent",
-                        generator=torch.Generator().manual_seed(0)).images
-
-    base = run(fresh)
-    fresh.load_lora_weights(out)
-    loaded, trained = run(fresh), run(trainer.pipe)
-    assert torch.equal(loaded, trained)
-    assert (loaded - base).abs().max() > 1e-4  # the LoRA is not a no-op
-    wrapped = {name.split(".lora_")[0] for name, _ in fresh.transformer.named_parameters() if ".lora_" in name}
-    assert {"to_out.0" if m.endswith("to_out.0") else m.rsplit(".", 1)[1] for m in wrapped} == {
-        "to_k", "to_q", "to_v", "to_out.0"}
-    assert any(m.startswith("noise_refiner.") for m in wrapped) and any(m.startswith("layers.") for m in wrapped)
-
-
-def test_resume_repeats_an_uninterrupted_run(tmp_path):
-    """Checkpoint at iteration 1, resume to 3 in a fresh trainer and pipeline: the LoRA, the EMA and the logged
-    values are bit-identical to an uninterrupted 3-iteration run (CFG, KL to the reference, EMA)."""
-    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
-
-    def make(name, **kw):
-        config = zimage_config(FlowGRPOConfig, tmp_path, output_dir=str(tmp_path / name), beta=0.01, ema_decay=0.9,
-                               **kw)
-        return FlowGRPOTrainer(config, tiny_zimage_pipeline(), [video_or_image_brightness],
-                               train_dataset=LONG_PROMPTS)
-
-    run_a = make("a", max_steps=3)
-    run_a.train()
-    make("b", max_steps=1, save_steps=1).train()
-    torch.manual_seed(1234)  # a different global RNG state: everything must come from the checkpoint
-    resumed = make("b", max_steps=3, save_steps=1)
-    resumed.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-1"))
-    assert resumed.state.global_step == 3
-    wa, wb = lora_params(run_a), lora_params(resumed)
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[n], wb[n]) for n in wa)
-    assert all(torch.equal(a, b) for a, b in zip(run_a.ema.shadow_params, resumed.ema.shadow_params))
-    for a, b in zip(run_a.state.log_history[1:], resumed.state.log_history[1:]):
-        assert (a["step"], a["loss"], a["reward"], a["kl"]) == (b["step"], b["loss"], b["reward"], b["kl"])
 
 
 # ------------------------------------------------------------------------------------------- loading, bad input
@@ -278,24 +170,6 @@ def test_load_pipeline_round_trip(tmp_path):
         p.set_progress_bar_config(disable=True)
     expected = _pipe_call(pipe, PROMPTS[:2], 2.0, {}, "latent")
     assert torch.equal(_pipe_call(loaded, PROMPTS[:2], 2.0, {}, "latent"), expected)
-
-
-@pytest.mark.parametrize("overrides,match", [
-    ({"height": 34}, "height=34, width=32: must be multiples of 4"),
-    ({"width": 256}, "height=32, width=256: this Z-Image transformer's position table covers at most 128 x 128"),
-    ({"max_sequence_length": 250}, "max_sequence_length=250: .* at most 224 tokens"),
-])
-def test_bad_config_fails_before_compute(tmp_path, overrides, match):
-    """Sizes the VAE / patching cannot take, images or captions past the RoPE tables (the pipeline would fail with
-    an IndexError mid-sampling): a ValueError naming the field, before any reward call or sampling."""
-    from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
-
-    calls = []
-    config = zimage_config(FlowGRPOConfig, tmp_path, **overrides)
-    with pytest.raises(ValueError, match=match):
-        FlowGRPOTrainer(config, tiny_zimage_pipeline(), [lambda im, p, **c: calls.append(1) or [0.0] * len(p)],
-                        train_dataset=PROMPTS)
-    assert calls == []
 
 
 def test_rope_limits_are_the_real_ones():

@@ -52,6 +52,7 @@ def test_the_registry_holds_every_trainer():
     assert {"FlowGRPOTrainer", "OPGRPOTrainer"} <= names
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cls", TRAINERS, ids=lambda c: c.__name__)
 def test_two_processes_match_one(two_process_run, tmp_path, cls):
     from safetensors.torch import load_file
@@ -152,6 +153,7 @@ tr.save_model(os.path.join(out, "after"))  # collective: every process waits for
 '''  # and no end_training(): the trainer's exit hook destroys the process group
 
 
+@pytest.mark.slow
 def test_a_tracked_run_keeps_its_processes_together_after_train(tmp_path):
     """``report_to`` set, two processes: ``train()`` ends its trackers but not the process group, so the Python
     API's next collective call (``save_model``, ``push_to_hub``) works; the script ends without ``end_training()``

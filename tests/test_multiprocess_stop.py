@@ -114,6 +114,7 @@ def _launch_and_terminate(tmp_path, launcher: str, sleep: float, **env_extra):
     return proc, markers, out
 
 
+@pytest.mark.slow
 def test_sigterm_to_trl_flow_launch_finishes_the_iteration_saves_and_exits_143(tmp_path):
     """`trl-flow grpo --accelerate_config multi_gpu --num_processes 2`, SIGTERM to it during iteration 1: both
     processes finish the iteration, checkpoint-1 is written complete, the exit status is 143. The processes were
@@ -131,6 +132,7 @@ def test_sigterm_to_trl_flow_launch_finishes_the_iteration_saves_and_exits_143(t
     assert [json.loads(line)["step"] for line in open(out / "log_history.jsonl")] == [1]
 
 
+@pytest.mark.slow
 def test_a_launcher_shutdown_timeout_shorter_than_the_iteration_loses_it(tmp_path):
     """The failure the default prevents, through the knob docs/reliability.md gives for a direct `accelerate
     launch`: with TORCH_ELASTIC_SHUTDOWN_TIMEOUT=2 and a 10 s iteration the launcher SIGKILLs both processes
@@ -193,6 +195,7 @@ def _end(procs):
         p.log.close()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc to see the process blocked")
 def test_two_sigterms_end_a_process_blocked_in_a_collective_on_a_stopped_peer(tmp_path):
     """Rank 1 is stopped (SIGSTOP) in iteration 1; rank 0 waits for it in the rewards' gather, where no Python
@@ -217,6 +220,7 @@ def test_two_sigterms_end_a_process_blocked_in_a_collective_on_a_stopped_peer(tm
         _end(procs)
 
 
+@pytest.mark.slow
 def test_ddp_timeout_ends_the_wait_for_a_stopped_process_with_an_error_naming_it(tmp_path):
     """Rank 1 stopped, rank 0 waiting for it: with ddp_timeout=3 rank 0 fails after 3 s with CollectiveTimeoutError
     naming the option (torch's default would wait 30 min). The process group was made before the trainer

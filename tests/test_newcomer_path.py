@@ -232,6 +232,7 @@ def _read_safetensors(path):
         return meta, {k: f.get_tensor(k) for k in f.keys()}
 
 
+@pytest.mark.slow
 def test_two_fresh_processes_write_identical_lora_weights_and_metadata(tmp_path):
     """Same seed, same thread count, two fresh processes with different string hash seeds: identical tensors and
     identical adapter metadata (its target_modules set used to be written in hash order). The files' bytes may

@@ -339,6 +339,7 @@ def test_overwrite_deletes_only_what_this_library_wrote_inside_output_dir(make_t
 
 
 # ------------------------------------------------------------------ two runs in one output_dir: the lock
+@pytest.mark.slow
 def test_a_second_run_in_the_same_output_dir_is_refused_until_the_first_ends_even_by_sigkill(tmp_path):
     import multiprocess_worker as mw
 

@@ -181,6 +181,7 @@ def _ended(proc, log, within: float = 120.0) -> str:
     return log.read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2])
 def test_the_process_exits_after_a_reward_timeout(tmp_path, workers):
     proc, log = _child(tmp_path, workers, 1)
@@ -190,6 +191,7 @@ def test_the_process_exits_after_a_reward_timeout(tmp_path, workers):
     assert "terminate called" not in text and "DONE" not in text
 
 
+@pytest.mark.slow
 def test_two_sigterms_end_a_run_whose_reward_hangs_in_a_worker(tmp_path):
     proc, log = _child(tmp_path, 1, 0)  # reward_timeout=0: no limit; the reward hangs in the worker thread
     _wait_for_text(proc, log, "HANGING")

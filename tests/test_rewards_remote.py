@@ -214,6 +214,7 @@ def test_a_malformed_answer_is_an_error_naming_the_server(status, answer, messag
         assert len(seen) == 1  # not retried: a broken answer is not a transient failure
 
 
+@pytest.mark.slow
 def test_reward_server_command_serves_the_shapes_detector():
     """The GenEval pattern on the shapes task: `python -m trl_flow.rewards.server --reward module:callable` in its
     own process, scored through RemoteReward == the detector called locally."""
