@@ -56,7 +56,8 @@ def measure(hidden: int, latent: int, text_tokens: int, lora: bool, layers: int 
     else:
         model.requires_grad_(True)
     model.train()
-    inputs = dict(hidden_states=torch.randn(1, 16, latent, latent), encoder_hidden_states=torch.randn(1, text_tokens, 64),
+    inputs = dict(hidden_states=torch.randn(1, 16, latent, latent),
+                  encoder_hidden_states=torch.randn(1, text_tokens, 64),
                   pooled_projections=torch.randn(1, 64), timestep=torch.tensor([500.0]))
     tokens = (latent // 2) ** 2 + text_tokens
     b = saved_bytes(model, inputs)

@@ -2,11 +2,12 @@
 
 For each family, the real transformer and VAE are built from the real models' config.json values (written below,
 with their Hub ids) with random weights, in bf16 on the GPU. The text encoders are not built at full size (the tiny
-pipeline's stand in, never called): the adapter's ``encode_prompts`` is replaced by random embeddings of the real shapes (keys, ranks and dtypes taken from what the
-family's adapter returns on its tiny pipeline in ``trl_flow.testing``; sequence length and width from the real text
-encoder), which the pipeline takes as ``prompt_embeds``. Families whose prompts are masked (Qwen-Image,
-Z-Image) get all ``max_sequence_length`` tokens valid: an upper bound on the text stream's cost. Then, at the published resolution, frames and batch (the
-family's recipe in ``trl_flow/recipes/`` where there is one, else the setting given here, marked ``fallback``):
+pipeline's stand in, never called): the adapter's ``encode_prompts`` is replaced by random embeddings of the real
+shapes (keys, ranks and dtypes taken from what the family's adapter returns on its tiny pipeline in
+``trl_flow.testing``; sequence length and width from the real text encoder), which the pipeline takes as
+``prompt_embeds``. Families whose prompts are masked (Qwen-Image, Z-Image) get all ``max_sequence_length`` tokens
+valid: an upper bound on the text stream's cost. Then, at the published resolution, frames and batch (the family's
+recipe in ``trl_flow/recipes/`` where there is one, else the setting given here, marked ``fallback``):
 
 * ``rollout``: ``FlowGRPOTrainer.sample`` (SDE rollout storing states, means, log-probs) vs ``pipe(prompt_embeds=...,
   output_type="latent")`` with the same embeddings, steps, batch and guidance, interleaved (``overhead.py``'s
@@ -24,7 +25,7 @@ finished); an out-of-memory stage is recorded as ``status: "oom"``; a family who
 imported in this version is ``status: "skipped"`` with the reason. The whole run stays under ``--time-limit``
 (default 450 s, under 8 minutes with start-up).
 
-    python benchmarks/full_size.py                         # every family, GPU; writes benchmarks/results/full_size.json
+    python benchmarks/full_size.py   # every family, GPU; writes benchmarks/results/full_size.json
     python benchmarks/full_size.py --families flux.1-dev wan2.1-t2v-1.3b --out /tmp/fs.json
     python benchmarks/full_size.py --tiny --out /tmp/tiny.json   # CPU, tiny configs, seconds (the tests run this)
     python benchmarks/full_size.py --dry-run     # no GPU: build the real configs on the meta device, print sizes
@@ -60,9 +61,11 @@ _SD_VAE = dict(in_channels=3, out_channels=3, down_block_types=["DownEncoderBloc
                use_post_quant_conv=False)
 SD35_VAE = dict(_SD_VAE, scaling_factor=1.5305, shift_factor=0.0609)
 FLUX1_VAE = dict(_SD_VAE, scaling_factor=0.3611, shift_factor=0.1159)  # FLUX.1 and Z-Image
-WAN21_VAE = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True])
+WAN21_VAE = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                 temperal_downsample=[False, True, True])
 FLUX2_VAE = dict(latent_channels=32, block_out_channels=[128, 256, 512, 512], layers_per_block=2, patch_size=[2, 2])
-QWEN_VAE = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True])
+QWEN_VAE = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                temperal_downsample=[False, True, True])
 _WAN_UNIPC = dict(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0, num_train_timesteps=1000)
 _FLUX2_TRANSFORMER = dict(patch_size=1, in_channels=128, out_channels=None, attention_head_dim=128,
                           timestep_guidance_channels=256, mlp_ratio=3.0, axes_dims_rope=[32, 32, 32, 32],
@@ -209,7 +212,8 @@ SPECS: dict[str, Spec] = {
 
 TINY_SETTING = dict(height=32, width=32, num_frames=5, num_inference_steps=3, per_device_train_batch_size=2,
                     max_sequence_length=16, lora_r=4, lora_alpha=8, gradient_checkpointing=False)
-SETTING_KEYS = ("height", "width", "num_frames", "num_inference_steps", "guidance_scale", "per_device_train_batch_size",
+SETTING_KEYS = ("height", "width", "num_frames", "num_inference_steps", "guidance_scale",
+                "per_device_train_batch_size",
                 "max_sequence_length", "beta", "lora_r", "lora_alpha", "lora_target_modules", "gradient_checkpointing",
                 "noise_level", "experts", "guidance_scale_2")
 FAMILY_FIELDS = ("experts", "guidance_scale_2")  # config fields of some families, passed when the setting has them
@@ -477,7 +481,8 @@ def measure(name: str, tiny: bool, steps: int | None, repeats: int, partial: str
             res["stage"] = "decode"
             rollout = held["rollout"]
             t = _median_times({"decode": tracker.wrap("decode", lambda: trainer.decode(rollout.states[:, -1]))}, 1, 0)
-            res["decode"] = {"s": t["decode"], "per_sample_s": t["decode"] / n, "peak_gib": tracker.peaks.get("decode")}
+            res["decode"] = {"s": t["decode"], "per_sample_s": t["decode"] / n,
+                             "peak_gib": tracker.peaks.get("decode")}
             save()
 
             # ---------------------------------------------------------------------------- update vs fwd + bwd

@@ -8,8 +8,8 @@
     forward + backward of the same calls: the same microbatches, the same trained steps, the same transformer
     inputs (recorded from the adapter: CFG-doubled batches for SD3, packed latents and ids for FLUX, two CFG passes
     for Wan), with ``loss = v.float().pow(2).mean(); loss.backward()``. The update runs with
-    ``guidance_grad="both"`` so that it back-propagates through every call the baseline does. For beta > 0 a second baseline adds the
-    no-grad reference forward that the exact KL needs (the cost a KL term cannot avoid).
+    ``guidance_grad="both"`` so that it back-propagates through every call the baseline does. For beta > 0 a second
+    baseline adds the no-grad reference forward that the exact KL needs (the cost a KL term cannot avoid).
 
 Measurements are interleaved (A, B, A, B, ...) after warm-up, and medians are reported. Results go to
 ``benchmarks/results/overhead.json`` (replacing the entries of the variants run, keeping the others).

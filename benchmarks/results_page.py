@@ -46,7 +46,8 @@ def by_rate(*methods: tuple[str, str]) -> dict[str, str]:
 
 # Each panel: one committed results folder, the runs shown (label -> name on the page) and what they are.
 PANELS = {
-    "tier2": dict(folder="shapes_tier2_matched", title="Tier 2, prompt set A (8 position prompts, trained-prompt strict)",
+    "tier2": dict(folder="shapes_tier2_matched",
+                  title="Tier 2, prompt set A (8 position prompts, trained-prompt strict)",
                   methods={"flow_grpo@0.001": "Flow-GRPO", "flow_grpo_2epochs@0.001": "Flow-GRPO, 2 epochs",
                            "flow_dppo_1epoch@0.001": "Flow-DPPO, 1 epoch", "flow_dppo@0.001": "Flow-DPPO, 2 epochs",
                            "stepwise_t2@0.001": "Stepwise T'=2", "stepwise_t3@0.001": "Stepwise T'=3",
@@ -57,7 +58,8 @@ PANELS = {
                             "stepwise_t2@0.001": "Stepwise T'=2", "stepwise_t3@0.001": "Stepwise T'=3",
                             "stepwise@0.001": "Stepwise T'=5"}),
     "tier2op": dict(folder="shapes_tier2_op",
-                    title="Tier 2, prompt set A: OP-GRPO in its described form against Flow-GRPO, three learning rates",
+                    title="Tier 2, prompt set A: OP-GRPO in its described form against Flow-GRPO, three learning "
+                          "rates",
                     methods=by_rate(("flow_grpo", "Flow-GRPO"), ("op_grpo", "OP-GRPO"))),
     "sparse": dict(folder="shapes_sparse",
                    title="Tier 5, the sparse tier (binary reward, base success about 0.1): OP-GRPO against Flow-GRPO, "
@@ -66,7 +68,8 @@ PANELS = {
     "tier2op_ablations": dict(folder="shapes_tier2_op",
                               title="Tier 2, prompt set A: OP-GRPO's described ablations, lr 1e-3",
                               methods=OP_ABLATIONS),
-    "sparse_ablations": dict(folder="shapes_sparse", title="Tier 5, the sparse tier: OP-GRPO's described ablations, lr 1e-3",
+    "sparse_ablations": dict(folder="shapes_sparse",
+                             title="Tier 5, the sparse tier: OP-GRPO's described ablations, lr 1e-3",
                              methods=OP_ABLATIONS),
     # DiffusionNFT as its paper compares it: sampled without CFG (from that base, 0.117) against Flow-GRPO sampled
     # with CFG (from 0.242), to Flow-GRPO's target on set A, an absolute score (the paper's: a GenEval score).
@@ -77,7 +80,8 @@ PANELS = {
                          **by_rate(("flow_grpo", "Flow-GRPO with CFG"))},
                 extra="shapes_tier2_op", target_from="shapes_tier2_op"),
     "nft_cfg": dict(folder="shapes_tier2_op",
-                    title="Tier 2, prompt set A: DiffusionNFT and Flow-GRPO, both sampled with CFG 3, three learning rates",
+                    title="Tier 2, prompt set A: DiffusionNFT and Flow-GRPO, both sampled with CFG 3, three learning "
+                          "rates",
                     methods=by_rate(("flow_grpo", "Flow-GRPO"), ("diffusion_nft_cfg", "DiffusionNFT with CFG"))),
     # CPU to the target on set A, all on one machine: Flow-GRPO's lr-5e-4 runs made again beside DiffusionNFT's (the
     # one rate where every seed of all three reached the target; the scores repeat shapes_tier2_op's exactly, tested),
@@ -91,8 +95,8 @@ PANELS = {
                     extra=("shapes_tier2_op", "shapes_tier2_nft"), target_from="shapes_tier2_op"),
     # Tier 3 (noisy base, the tier's default): trained on the category's prompts, scored on held-out val prompts.
     "nft_t3": dict(folder="shapes_tier3_nft",
-                   title="Tier 3, noisy base (164 position prompts, held-out val strict): DiffusionNFT sampled without "
-                         "CFG (dotted: its base) against Flow-GRPO sampled with CFG (its base 0.280)",
+                   title="Tier 3, noisy base (164 position prompts, held-out val strict): DiffusionNFT sampled "
+                         "without CFG (dotted: its base) against Flow-GRPO sampled with CFG (its base 0.280)",
                    methods={**by_rate(("diffusion_nft", "DiffusionNFT without CFG")),
                             "flow_grpo@0.001": "Flow-GRPO with CFG, lr 0.001"},
                    extra="shapes_tier3", target_from="shapes_tier3"),
@@ -283,7 +287,8 @@ def load_panel(name: str) -> dict | None:
                                                                     - summary["base"]) < 1e-9}
     base_n = counts.pop() if len(counts) == 1 else None  # None: not recorded (or ambiguous): the base taken as exact
     out = {"base": summary["base"], "base_n": base_n, "base_se": binomial_se(summary["base"], base_n),
-           "base_by_split": {sp: b[key] for sp, b in summary.get("base_by_split", {}).items()},  # older summaries: none
+           # older summaries: none
+           "base_by_split": {sp: b[key] for sp, b in summary.get("base_by_split", {}).items()},
            "target": target, "split": split, "score": key, "methods": {},
            # the folders whose shown runs do not record the code they ran (runs made before they did)
            "without_code": sorted({from_folder[label] for label, runs in runs_of.items()
@@ -459,13 +464,16 @@ def ablation_table(p: dict) -> list[str]:
         vs = ("reference" if label == "op_grpo@0.001" else
               "n/a (one seed)" if r is None or r["word"] == "too few seeds" else stat_text(r))
         clip = ms(m["clip_off"])
-        clip_text = "n/a" if clip is None else (f"{100 * clip[0]:.1f}%" if clip[1] is None else fmt(clip, percent=True))
-        rows.append(f"| {name} | {len(m['seeds'])} | {fmt(ms(m['final']))} | {vs} | {fmt(ms(m['kl']))} | {clip_text} |")
+        clip_text = "n/a" if clip is None else (
+            f"{100 * clip[0]:.1f}%" if clip[1] is None else fmt(clip, percent=True))
+        rows.append(
+            f"| {name} | {len(m['seeds'])} | {fmt(ms(m['final']))} | {vs} | {fmt(ms(m['kl']))} | {clip_text} |")
     return rows
 
 
 # ------------------------------------------------------------------------------------------------- the claims
-SHORT = {"tier2": "set A", "tier2b": "set B", "tier2op": "set A", "sparse": "sparse tier", "sparse_ablations": "sparse tier",
+SHORT = {"tier2": "set A", "tier2b": "set B", "tier2op": "set A", "sparse": "sparse tier",
+         "sparse_ablations": "sparse tier",
          "tier2op_ablations": "set A", "nft": "set A without CFG", "nft_cfg": "set A with CFG", "edit": "editing tier",
          "nft_t3": "tier 3 without CFG", "nft_t3_cfg": "tier 3 with CFG", "nft_cpu": "set A, one machine",
          "tier3": "tier 3"}
@@ -568,7 +576,8 @@ CLAIMS = [
     *[("OP-GRPO", f"reaches the target in fewer iterations than Flow-GRPO, lr {lr:g} (same samples, 1 epoch each)",
        "0.342x the steps", ("tier2op", "sparse"), f"op_grpo@{lr:g}", f"flow_grpo@{lr:g}", "steps_to_target", "lower")
       for lr in (5e-4, 1e-3, 2e-3)],
-    ("OP-GRPO", "the same or a better final score than Flow-GRPO, lr 0.001", "+1.17% on average", ("tier2op", "sparse"),
+    ("OP-GRPO", "the same or a better final score than Flow-GRPO, lr 0.001", "+1.17% on average",
+     ("tier2op", "sparse"),
      "op_grpo@0.001", "flow_grpo@0.001", "final", "higher"),
     ("OP-GRPO", "removing the off-policy correction hurts (lr 0.001)", "diverges",
      ("tier2op_ablations", "sparse_ablations"), "op_grpo@0.001", "op_grpo_no_correction@0.001", "final", "higher"),
@@ -777,7 +786,8 @@ def readme_block(panels: dict) -> str:
         first = first.removeprefix("set A: ")
         second = second.removeprefix("set B: ")
         lines.append(f"| {method} | {claim} ({paper}) | {first} | {second} | {mdd} | {v} |")
-    lines += ["", "![tier 2: score vs iteration, CPU and KL, mean +- std over seeds](docs/figures/tier2.png)", README_END]
+    lines += ["", "![tier 2: score vs iteration, CPU and KL, mean +- std over seeds](docs/figures/tier2.png)",
+              README_END]
     return "\n".join(lines)
 
 

@@ -94,8 +94,8 @@ TIER2B_PROMPTS = [
     "a green square below a blue circle", "a blue circle below a green circle",
     "a blue triangle to the right of a green square",
 ]
-# The sparse tier (tier 5, the replay-share change), chosen by ``sparse_prompts``'s rule from the base's measured per-prompt ODE
-# strict success (scripts/measure_sparse_prompts.py -> SPARSE_BASE_TABLE) before any run on it
+# The sparse tier (tier 5, the replay-share change), chosen by ``sparse_prompts``'s rule from the base's measured
+# per-prompt ODE strict success (scripts/measure_sparse_prompts.py -> SPARSE_BASE_TABLE) before any run on it
 SPARSE_BASE_TABLE = "benchmarks/results/shapes_sparse_base/per_prompt.json"
 SPARSE_MAX_RATE = 0.15
 SPARSE_PROMPTS = [  # measured base ODE strict (of 32 images): 3, 2, 2, 3, 4, 4, 4, 3 successes; mean 0.098
@@ -118,12 +118,14 @@ def sparse_prompts(rows: list[dict], n: int = 8, max_rate: float = SPARSE_MAX_RA
     return sorted(pool, key=lambda p: hashlib.md5(p.encode()).hexdigest())[:n]
 
 
-# The editing tier (tier 6, the editing tier): instructions chosen by ``edit_tier_instructions``'s rule from the editing base's
-# measured per-instruction success (scripts/measure_shapes_edit_base.py -> EDIT_BASE_TABLE) before any run on it
+# The editing tier (tier 6, the editing tier): instructions chosen by ``edit_tier_instructions``'s rule from the
+# editing base's measured per-instruction success (scripts/measure_shapes_edit_base.py -> EDIT_BASE_TABLE) before any
+# run on it
 EDIT_BASE_TABLE = "benchmarks/results/shapes_edit_base/per_instruction.json"
 TIER6_INSTRUCTIONS = [  # measured base strict (of 64 scenes): 0.531, 0.438, 0.359, 0.328, 0.562, 0.547, 0.531, 0.484
     "make the red circle green", "make the green circle red", "make the green square red", "make the red square green",
-    "move the green circle left", "move the red square right", "move the green square left", "move the blue circle down",
+    "move the green circle left", "move the red square right", "move the green square left",
+    "move the blue circle down",
 ]
 EDIT_SCENES = 8  # fixed source scenes per trained instruction (train rows: 8 x 8 = 64, scene seed EDIT_SCENE_SEED)
 EDIT_SCENE_SEED = 0
@@ -144,7 +146,8 @@ def edit_tier_instructions(rows: list[dict], n_per_kind: int = 4) -> list[str]:
 
 
 TIERS = {
-    0: dict(base="clean", train="category:position", evals={"val": ("val:position", 100), "test": ("test:position", 100)},
+    0: dict(base="clean", train="category:position",
+            evals={"val": ("val:position", 100), "test": ("test:position", 100)},
             primary="val", score="partial", reward="partial", steps=50, eval_every=10),
     1: dict(base="noisy", train=TIER1_PROMPTS, evals={"trained": (TIER1_PROMPTS, 64), "val": ("val:position", 64)},
             primary="trained", score="strict", reward="relation", steps=30, eval_every=5, config="ROLLOUT_16"),
@@ -153,7 +156,8 @@ TIERS = {
     # tier 2 on its second prompt set: every tier-2 claim is measured on both sets (the T' measurement)
     4: dict(base="noisy", train=TIER2B_PROMPTS, evals={"trained": (TIER2B_PROMPTS, 128), "val": ("val:position", 64)},
             primary="trained", score="strict", reward="relation", steps=60, eval_every=10, config="ROLLOUT_16"),
-    # the sparse tier: binary reward, base strict <= 0.15 on each trained prompt (docs/benchmarks.md, "The sparse tier")
+    # the sparse tier: binary reward, base strict <= 0.15 on each trained prompt (docs/benchmarks.md, "The sparse
+    # tier")
     5: dict(base="noisy", train=SPARSE_PROMPTS, evals={"trained": (SPARSE_PROMPTS, 128), "val": ("val:position", 64)},
             primary="trained", score="strict", reward="strict", steps=60, eval_every=10, config="ROLLOUT_16"),
     3: dict(base="noisy", train="category:position",
@@ -193,14 +197,16 @@ BASE = dict(
 )
 
 # The trained steps, CFG and weight decay of UniRL's Flow-DPPO recipe (AllSDEScheduler: 3 of the first 5 of 10 steps)
-UNIRL_STEPS = dict(sde_steps_mode="random", sde_window_size=3, sde_window_range=5, guidance_scale=1.0, weight_decay=0.0)
+UNIRL_STEPS = dict(sde_steps_mode="random", sde_window_size=3, sde_window_range=5, guidance_scale=1.0,
+                   weight_decay=0.0)
 
 # label -> (registered trainer name, trl_flow.registered_trainers(); overrides of its config)
 METHODS = {
     "flow_grpo": ("grpo", {}),
-    # OP-GRPO in the described form (the replay-share change, OPGRPOConfig's defaults): 25% of the SAMPLES replayed, in groups of at
-    # most G // 2 buffered + fresh trajectories; only the late tail regenerated (truncation_fraction 0.1: k_off = 8 of
-    # 10, the last of the 9 trained steps). Its ablations: correction (per-step ratio, none), truncation, share.
+    # OP-GRPO in the described form (the replay-share change, OPGRPOConfig's defaults): 25% of the SAMPLES replayed, in
+    # groups of at most G // 2 buffered + fresh trajectories; only the late tail regenerated (truncation_fraction 0.1:
+    # k_off = 8 of 10, the last of the 9 trained steps). Its ablations: correction (per-step ratio, none), truncation,
+    # share.
     "op_grpo": ("op-grpo", {}),
     "op_grpo_per_step": ("op-grpo", {"off_policy_correction": "per_step"}),
     "op_grpo_no_correction": ("op-grpo", {"off_policy_correction": "none"}),
@@ -215,12 +221,13 @@ METHODS = {
     # trajectory per prompt, so 1 / 4 = 25% of the samples are replayed; late truncation (truncation_fraction's 0.1)
     "op_grpo_g4_one": ("op-grpo",
                        {"num_generations": 4, "replay_unit": "group", "off_policy_fraction": 1.0}),
-    # OP-GRPO as it was before the replay-share change (the committed results up to then): off_policy_fraction the share of GROUPS
-    # replaying one buffered trajectory each, truncation at K // 2 = 5 (sigma 0.71, not late). The committed labels
-    # map as: op_grpo -> op_grpo_legacy, op_grpo_per_step -> op_grpo_legacy_per_step, op_grpo_no_correction ->
-    # op_grpo_legacy_no_correction, op_grpo_no_truncation -> op_grpo_legacy_no_truncation, op_grpo_share_100 ->
-    # op_grpo_legacy_share_100, op_grpo_g4_share_100* -> op_grpo_legacy_g4_share_100* (each with the same @lr; a
-    # label without @lr on tier 2 ran at SWEPT_LR's op_grpo rate, 1e-3). Every run's config is in its results.json.
+    # OP-GRPO as it was before the replay-share change (the committed results up to then): off_policy_fraction the
+    # share of GROUPS replaying one buffered trajectory each, truncation at K // 2 = 5 (sigma 0.71, not late). The
+    # committed labels map as: op_grpo -> op_grpo_legacy, op_grpo_per_step -> op_grpo_legacy_per_step,
+    # op_grpo_no_correction -> op_grpo_legacy_no_correction, op_grpo_no_truncation -> op_grpo_legacy_no_truncation,
+    # op_grpo_share_100 -> op_grpo_legacy_share_100, op_grpo_g4_share_100* -> op_grpo_legacy_g4_share_100* (each with
+    # the same @lr; a label without @lr on tier 2 ran at SWEPT_LR's op_grpo rate, 1e-3). Every run's config is in its
+    # results.json.
     "op_grpo_legacy": ("op-grpo", {"replay_unit": "group", "truncation_step": 5}),
     "op_grpo_legacy_per_step": ("op-grpo",
                                 {"replay_unit": "group", "truncation_step": 5, "off_policy_correction": "per_step"}),
@@ -232,7 +239,7 @@ METHODS = {
                                  {"replay_unit": "group", "truncation_step": 5, "off_policy_fraction": 1.0}),
     # G = 4 with every group replaying its buffered trajectory: 25% of the samples, with the half-way truncation
     "op_grpo_legacy_g4_share_100": ("op-grpo", {"replay_unit": "group", "truncation_step": 5,
-                                                                      "num_generations": 4, "off_policy_fraction": 1.0}),
+                                                "num_generations": 4, "off_policy_fraction": 1.0}),
     # two ablations of it testing the replay diagnostic (op_replay_advantages.py): the whole buffered trajectory
     # reused (truncation off), and the replayed sample kept out of its group's mean and std
     "op_grpo_legacy_g4_share_100_no_truncation": ("op-grpo",
@@ -262,9 +269,9 @@ METHODS = {
     # tier's CFG-3 base: give the pair its own --out (e.g. shapes_tier2_unirl) and --reference flow_grpo_unirl_steps.
     "flow_dppo_unirl": ("dppo", {**UNIRL_STEPS, "kl_mask_first_step": "clamp"}),
     "flow_grpo_unirl_steps": ("grpo", UNIRL_STEPS),
-    # Stepwise-Flow-GRPO: its own defaults (flow_sde since the kernel measurement's measurement, shared noise per group, joint
-    # normalisation) at the paper's T' = 5 (the default until the T' measurement's measurement, now 2: `stepwise_t2`), so the
-    # committed `stepwise@...` runs keep their meaning
+    # Stepwise-Flow-GRPO: its own defaults (flow_sde since the kernel measurement's measurement, shared noise per
+    # group, joint normalisation) at the paper's T' = 5 (the default until the T' measurement's measurement, now 2:
+    # `stepwise_t2`), so the committed `stepwise@...` runs keep their meaning
     "stepwise": ("stepwise", {"num_substeps": 5}),
     "stepwise_per_step": ("stepwise",
                           {"gain_normalization": "per_step", "num_substeps": 5}),
@@ -272,17 +279,17 @@ METHODS = {
     # the paper's cheaper estimates (it reports its results robust to T' in {2, 5, 8})
     "stepwise_t2": ("stepwise", {"num_substeps": 2}),
     "stepwise_t3": ("stepwise", {"num_substeps": 3}),
-    # the paper's ddim kernel (the default until the kernel measurement's measurement): its early stds are tiny, so its clip binds
-    # sooner; with eta 1 and with a 5x wider clip
+    # the paper's ddim kernel (the default until the kernel measurement's measurement): its early stds are tiny, so its
+    # clip binds sooner; with eta 1 and with a 5x wider clip
     "stepwise_ddim": ("stepwise", {"sampler": "ddim", "num_substeps": 5}),
     "stepwise_ddim_eta1": ("stepwise",
                            {"sampler": "ddim", "noise_level": 1.0, "num_substeps": 5}),
     "stepwise_ddim_clip5e-3": ("stepwise",
                                {"sampler": "ddim", "clip_range": 5e-3, "num_substeps": 5}),
     "op_grpo_unclipped_term": ("op-grpo", {"importance_weight_placement": "unclipped_term"}),
-    # DiffusionNFT (the DiffusionNFT runs): its own defaults (deterministic `ode` rollout from the old policy, nft_beta 1, decay_type
-    # 1, 9 of 10 timesteps), CFG-free in rollout, update and evaluation; each sample its own noise (with a
-    # deterministic sampler shared noise would make a group one image). BASE's beta 0 replaces the reference's 1e-4
+    # DiffusionNFT (the DiffusionNFT runs): its own defaults (deterministic `ode` rollout from the old policy, nft_beta
+    # 1, decay_type 1, 9 of 10 timesteps), CFG-free in rollout, update and evaluation; each sample its own noise (with
+    # a deterministic sampler shared noise would make a group one image). BASE's beta 0 replaces the reference's 1e-4
     # KL weight, as for every method. `_cfg`: the same at BASE's guidance 3.0 (rollout, update and evaluation).
     "diffusion_nft": ("nft", {"guidance_scale": 1.0, "same_noise_per_group": False}),
     "diffusion_nft_cfg": ("nft", {"same_noise_per_group": False}),
@@ -338,7 +345,8 @@ def subset_tier(tier: dict, n: int, trained_images: int = 64) -> dict:
         raise SystemExit("--train-prompts: the tier trains on a fixed prompt list already; use --tier 3 or 0")
     pool = train_prompts(tier)
     if not 1 <= n <= len(pool):
-        raise SystemExit(f"--train-prompts {n}: the tier's category has {len(pool)} training prompts; pick 1-{len(pool)}")
+        raise SystemExit(f"--train-prompts {n}: the tier's category has {len(pool)} training prompts; pick "
+                         f"1-{len(pool)}")
     chosen = sorted(pool, key=lambda p: hashlib.md5(p.encode()).hexdigest())[:n]
     return {**tier, "train": chosen, "evals": {"trained": (chosen, trained_images), **tier["evals"]}}
 
@@ -484,8 +492,10 @@ def make_trainer(label: str, seed: int, tier_id: int, steps: int, out: str, base
 
     tier = TIERS[tier_id]
     config, tr_cls = run_config(label, seed, tier_id, steps, out)
-    reward = get_reward(f"shapes_{tier['reward']}")  # the registry's shapes_partial / _strict / _dense / _relation / _edit
-    if tier.get("task") == "edit":  # the editing base (or a pretrain_shapes_edit.py folder) on (instruction, source) rows
+    # the registry's shapes_partial / _strict / _dense / _relation / _edit
+    reward = get_reward(f"shapes_{tier['reward']}")
+    # the editing base (or a pretrain_shapes_edit.py folder) on (instruction, source) rows
+    if tier.get("task") == "edit":
         from datasets import Dataset
 
         if base_name not in (None, "edit") and not os.path.isdir(base_name):
@@ -536,7 +546,8 @@ def edit_sheet(trainer, tier: dict, out: str, label: str, seed: int, per_instruc
     from trl_flow.video import grid
 
     rows = edit_rows(tier, "trained")
-    picked = [i for ins in tier["train"] for i in [j for j, p in enumerate(rows["prompt"]) if p == ins][:per_instruction]]
+    picked = [i for ins in tier["train"]
+              for i in [j for j, p in enumerate(rows["prompt"]) if p == ins][:per_instruction]]
     prompts = [rows["prompt"][i] for i in picked]
     sources = [rows["source_image"][i] for i in picked]
     pair, has_before = before_after(trainer, prompts, seed=EVAL_SEED, columns={"source_image": sources})
@@ -839,8 +850,8 @@ def write_outputs(runs, args: dict, out: str, tier_id: int) -> dict:
     recorded, runs = runs, canonical_labels(runs)  # results.json keeps each run as recorded (its file's name)
     summary = summarise(runs, tier_id, args.get("reference"))
     with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump({"args": args, "base": {**BASE, **PILOT}, "tier": tier_id, "task": summary["task"], "summary": summary,
-                   "runs": recorded}, f)
+        json.dump({"args": args, "base": {**BASE, **PILOT}, "tier": tier_id, "task": summary["task"],
+                   "summary": summary, "runs": recorded}, f)
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     text = table(summary)
@@ -872,7 +883,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=None, help="iterations (default: the tier's)")
     ap.add_argument("--eval-every", type=int, default=None, help="default: the tier's")
     ap.add_argument("--eval-scale", type=float, default=1.0, help="scales the tier's evaluation image counts")
-    ap.add_argument("--base", default=None, help="base model: a committed variant (clean, noisy) or a save_pretrained folder (default: the tier's)")
+    ap.add_argument("--base", default=None, help="base model: a committed variant (clean, noisy) or a save_pretrained "
+                                                 "folder (default: the tier's)")
     ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
                     help="override BASE, or the tier's reward / config (reward=dense, config=none), for a pilot; "
                          "give it its own --out")
@@ -911,7 +923,8 @@ def main(argv=None):
     args.steps = args.steps or tier["steps"]
     args.eval_every = args.eval_every or tier["eval_every"]
     if args.methods is None:
-        args.methods = ["flow_grpo", "op_grpo"] if args.tier == 0 else ["flow_grpo", "op_grpo", "stepwise", "flow_dppo"]
+        args.methods = (["flow_grpo", "op_grpo"] if args.tier == 0
+                        else ["flow_grpo", "op_grpo", "stepwise", "flow_dppo"])
     if args.quick:
         args.methods, args.seeds, args.steps, args.eval_every, args.eval_scale = (
             ["flow_grpo", "op_grpo"], [0], 3, 2, 4 / max(n for _, n in tier["evals"].values()))

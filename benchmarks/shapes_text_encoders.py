@@ -2,7 +2,8 @@
 that differ only in the relation ("... to the left of ..." / "... to the right of ...", "above" / "below"), the
 difference of their embeddings as the transformer receives them (``pipe.encode_prompt``).
 
-    OMP_NUM_THREADS=1 python benchmarks/shapes_text_encoders.py --bases noisy benchmarks/results/shapes_tier3_te/base_model
+    OMP_NUM_THREADS=1 python benchmarks/shapes_text_encoders.py --bases noisy
+    benchmarks/results/shapes_tier3_te/base_model
 
 Per base and per embedding (``token``: the (16 + 1, 32) token states, flattened; ``pooled``: the (64,) pooled one):
 - ``relative_difference``: mean over pairs of ``|e(a) - e(b)| / |e(a)|``, how far apart the two relations are;

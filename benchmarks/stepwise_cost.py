@@ -98,8 +98,8 @@ def main(argv=None):
     base = res["flow_grpo"]
     print(f"{args.pipeline} pipeline, {n} samples, {args.steps} steps, cfg {args.guidance}, medians of "
           f"{args.repeats}\n")
-    print(f"{'method':<16} {'sampler':>8} {'s/iter':>8} {'x FG':>6} {'fwd calls':>9} {'x FG':>6} {'rows':>6} {'x FG':>6} "
-          f"{'interm. s':>9} {'share':>6}")
+    print(f"{'method':<16} {'sampler':>8} {'s/iter':>8} {'x FG':>6} {'fwd calls':>9} {'x FG':>6} {'rows':>6} "
+          f"{'x FG':>6} {'interm. s':>9} {'share':>6}")
     for name, r in res.items():
         r["time_ratio_vs_flow_grpo"] = r["s"] / base["s"]
         r["calls_ratio_vs_flow_grpo"] = r["calls"] / base["calls"]
@@ -109,7 +109,9 @@ def main(argv=None):
               f"{r['extra_s']:>9.3f} {r['extra_s'] / r['s']:>6.2f}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"args": {k: v for k, v in vars(args).items() if k != "out"}, "torch": torch.__version__, "results": res}, f, indent=2)
+        json.dump(
+            {"args": {k: v for k, v in vars(args).items() if k != "out"}, "torch": torch.__version__, "results": res},
+            f, indent=2)
     print(f"\nwrote {args.out}")
     return res
 

@@ -1,10 +1,11 @@
-"""How well Stepwise-Flow-GRPO's intermediate reward predicts the outcome, per substep grid and T' (the T' measurement).
+"""How well Stepwise-Flow-GRPO's intermediate reward predicts the outcome, per substep grid and T'
+(the T' measurement).
 
 The intermediate reward r_k scores a clean-image estimate of the state x_k made by T' deterministic Euler steps
 from sigma_k to 0. Today's grid is linear in sigma (``substep_sigmas``): from the first state that is one substep
-sigma 1 -> 0.8 at T' = 5, 1 -> 0.5 at T' = 2. The suspect (the T' measurement): the rollout's own shifted schedule (sigma =
-s t / (1 + (s - 1) t), linear in t, s the scheduler's shift) takes smaller steps where the noise is high and might
-give a better estimate at the same cost. Both grids cost the same T' - 1 transformer calls per state.
+sigma 1 -> 0.8 at T' = 5, 1 -> 0.5 at T' = 2. The suspect (the T' measurement): the rollout's own shifted schedule
+(sigma = s t / (1 + (s - 1) t), linear in t, s the scheduler's shift) takes smaller steps where the noise is high and
+might give a better estimate at the same cost. Both grids cost the same T' - 1 transformer calls per state.
 
 On rollouts of the tier-2 set-A setting (noisy base, 8 prompts x 16 images, flow_sde, K = 10, shared noise per
 group, the untrained policy), for each grid and T' it scores the estimate of every trained state and reports:
@@ -13,7 +14,8 @@ group, the untrained policy), for each grid and T' it scores the estimate of eve
 * ``corr_within``: the same after subtracting each group's mean at that step (what group-relative advantages see);
 * ``gain_corr``: correlation of the per-step gains g_k = r_{k+1} - r_k with the later change r_K - r_k (a gain
   should announce where the outcome is decided);
-* ``agree_ref``: share of (sample, step) estimates whose binary-rounded reward equals a T' = 20 estimate on the same grid.
+* ``agree_ref``: share of (sample, step) estimates whose binary-rounded reward equals a T' = 20 estimate on the
+  same grid.
 
     python benchmarks/stepwise_grid.py --seed 0 --out benchmarks/results/stepwise_grid_seed0.json   # ~8 CPU-min
 
@@ -147,7 +149,8 @@ def main(argv=None):
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     for row in out["rows"]:
-        print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items() if k != "per_unit"))
+        print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                       for k, v in row.items() if k != "per_unit"))
     for row in out["paired"]:
         print(f"T'={row['substeps']} shifted - linear: " + ", ".join(
             f"{k} {v['diff']:+.3f} +- {v['se']:.3f}" for k, v in row.items() if k != "substeps"))

@@ -67,7 +67,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=30, help="training iterations")
     ap.add_argument("--output_dir", default="out/quickstart")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--images_per_prompt", type=int, default=32, help="evaluation images per prompt (same noise before/after)")
+    ap.add_argument("--images_per_prompt", type=int, default=32, help="evaluation images per prompt (same noise "
+                                                                      "before/after)")
     ap.add_argument("--sheet_images", type=int, default=4, help="images per prompt on the before/after sheet")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (the tiny model's ops are too small to gain from more; 1 is fastest here)")
@@ -88,7 +89,9 @@ def main(argv=None):
     after = {name: trainer.generate(p, seed=1234)[0] for name, (p, _) in sets.items()}
     trainer.save_model(args.output_dir)
 
-    scores = {name: {"before": shapes.evaluate(before[name], *sets[name]), "after": shapes.evaluate(after[name], *sets[name])}
+    scores = {
+        name: {"before": shapes.evaluate(before[name], *sets[name]),
+               "after": shapes.evaluate(after[name], *sets[name])}
               for name in sets}
     scores["run"] = {"method": args.method, "seed": args.seed, "steps": args.steps, "threads": args.threads,
                      "images_per_prompt": n, "train_cpu_s": round(cpu_s, 1), "train_wall_s": round(wall_s, 1),

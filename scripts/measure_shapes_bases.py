@@ -88,8 +88,8 @@ def summarize_features(rows):
 
 
 def position_failures(pipe, ds, n: int, seed: int = 1234) -> dict:
-    """``kinds``: the shares of ``reward.FAILURE_KINDS`` on ``n`` seeded draws (with replacement) of the position prompts of
-    ``ds``, one image each, with the colour-level relation accuracy of the same images."""
+    """``kinds``: the shares of ``reward.FAILURE_KINDS`` on ``n`` seeded draws (with replacement) of the position
+    prompts of ``ds``, one image each, with the colour-level relation accuracy of the same images."""
     pool = [p for p, c in zip(ds["prompt"], ds["category"]) if c == "position"]
     prompts = [pool[i] for i in np.random.default_rng(seed).integers(0, len(pool), n)]
     images = model.generate(pipe, prompts, seed=seed)
@@ -152,7 +152,8 @@ def main(argv=None):
             prompts = [p for p in chosen for _ in range(args.group_size)]
             images = model.generate(pipe, prompts, seed=100 + grammar.CATEGORIES.index(cat))
             objects = [reward.detect(img) for img in images]  # one detection serves strict and the relation
-            strict = np.array([all(reward.constraints_met(o, grammar.parse_prompt(p))) for o, p in zip(objects, prompts)], float)
+            strict = np.array(
+                [all(reward.constraints_met(o, grammar.parse_prompt(p))) for o, p in zip(objects, prompts)], float)
             strict = strict.reshape(len(chosen), args.group_size)
             feat_rows += shape_features(images, prompts)
             if cat == "position":

@@ -49,9 +49,11 @@ def main(argv=None):
                       "kind": edit.parse_instruction(text).kind, "n": args.scenes,
                       "strict": float(np.mean([s["strict"] for s in scores])),
                       "partial": float(np.mean([s["partial"] for s in scores]))})
-        print(f"{table[-1]['split']:5s} {text:32s} strict {table[-1]['strict']:.3f} partial {table[-1]['partial']:.3f}")
+        print(f"{table[-1]['split']:5s} {text:32s} strict {table[-1]['strict']:.3f} "
+              f"partial {table[-1]['partial']:.3f}")
     os.makedirs(args.out, exist_ok=True)
-    info = {"command": "python scripts/measure_shapes_edit_base.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    info = {"command": "python scripts/measure_shapes_edit_base.py "
+                       + " ".join(argv if argv is not None else sys.argv[1:]),
             "base": args.base or "committed edit_base_model", "scenes": args.scenes, "seed": args.seed,
             "num_inference_steps": model_edit.EDIT_NUM_INFERENCE_STEPS, "cpu_s": round(time.process_time() - t0, 1),
             "per_instruction": table}

@@ -37,7 +37,8 @@ ROLLOUT_SEED = 4321  # initial noise of the rollout measurement (training draws 
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_shapes_measure", os.path.join(ROOT, "benchmarks", "shapes.py"))
+    spec = importlib.util.spec_from_file_location("bench_shapes_measure",
+                                                  os.path.join(ROOT, "benchmarks", "shapes.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -63,7 +63,8 @@ def parse_args(argv=None):
     p.add_argument("--eval-guidance", type=float, default=model.DEFAULT_GUIDANCE_SCALE)
     p.add_argument("--eval-shifts", default="1,3")
     p.add_argument("--save", choices=["best", "ema", "raw"], default="best")
-    p.add_argument("--state", default=None, help="optional path to save the raw and EMA weights of every trained parameter")
+    p.add_argument("--state", default=None, help="optional path to save the raw and EMA weights of every trained "
+                                                 "parameter")
     p.add_argument("--log-every", type=int, default=100)
     p.add_argument("--init-from", default=None,
                    help="fine-tune this save_pretrained pipeline (e.g. trl_flow/tasks/shapes/base_model)")

@@ -55,14 +55,16 @@ def parse_args(argv=None):
     p.add_argument("--save", choices=["best", "ema", "raw"], default="best")
     p.add_argument("--log-every", type=int, default=100)
     p.add_argument("--init-from", default=None,
-                   help="continue from a save_pretrained editing pipeline (e.g. trl_flow/tasks/shapes/edit_base_model) "
-                        "instead of a fresh transformer; its VAE and text encoders are kept. Use another --seed than "
-                        "the run it continues, so that the rendered pairs are new")
+                   help="continue from a save_pretrained editing pipeline (e.g. "
+                        "trl_flow/tasks/shapes/edit_base_model) instead of a fresh transformer; its VAE and text "
+                        "encoders are kept. Use another --seed than the run it continues, so that the rendered pairs "
+                        "are new")
     return p.parse_args(argv)
 
 
 def encode_images(pipe, images: np.ndarray) -> torch.Tensor:
-    """uint8 (N, 3, 32, 32) -> VAE latents (N, 3, 16, 16), shifted and scaled as the pipeline's ``_encode_vae_image``."""
+    """uint8 (N, 3, 32, 32) -> VAE latents (N, 3, 16, 16), shifted and scaled as the pipeline's
+    ``_encode_vae_image``."""
     out = []
     with torch.no_grad():
         for i in range(0, len(images), 2048):
@@ -173,12 +175,13 @@ def main(argv=None):
         print(f"{split} instructions ({which} weights): " + json.dumps(report[split]), flush=True)
     info = {
         "command": "python scripts/pretrain_shapes_edit.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "steps": total, "init_from": args.init_from, "seed": args.seed, "batch_size": args.batch_size, "lr": args.lr, "num_pairs": args.num_pairs,
+        "steps": total, "init_from": args.init_from, "seed": args.seed, "batch_size": args.batch_size, "lr": args.lr,
+        "num_pairs": args.num_pairs,
         "train_seconds": round(train_seconds, 1), "train_minutes": round(train_seconds / 60, 2),
         "threads": args.threads, "final_loss_last200": round(final_loss, 4), "weights": which,
         "num_inference_steps": args.eval_steps, "max_sequence_length": model_edit.EDIT_MAX_SEQUENCE_LENGTH,
-        "evaluation_note": f"{args.eval_per_split} fresh scenes per split (scene/noise seed 0), strict / partial of the "
-                           "shapes_edit detector; validation: scene/noise seed 1234 on train instructions",
+        "evaluation_note": f"{args.eval_per_split} fresh scenes per split (scene/noise seed 0), strict / partial of "
+                           "the shapes_edit detector; validation: scene/noise seed 1234 on train instructions",
         "validation": {w: r["overall"] for w, r in results.items()},
         "evaluation": report,
         "train_instructions": edit.train_instructions(), "test_instructions": edit.test_instructions(),

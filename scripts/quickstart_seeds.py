@@ -50,7 +50,8 @@ def curve(args) -> dict:
 
     qs = _quickstart()
     overrides = dict((kv.split("=", 1)[0], _value(kv.split("=", 1)[1])) for kv in args.set)
-    out = {"method": args.method, "reward": args.reward, "overrides": overrides, "images_per_prompt": args.images_per_prompt, "seeds": {}}
+    out = {"method": args.method, "reward": args.reward, "overrides": overrides,
+           "images_per_prompt": args.images_per_prompt, "seeds": {}}
     for seed in args.seeds:
         trainer, sets = qs.make_trainer(args.method, seed, args.steps, os.path.join(args.work, f"curve{seed}"),
                                         args.images_per_prompt, reward=args.reward, **overrides)

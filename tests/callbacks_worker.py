@@ -16,7 +16,7 @@ import sys
 import torch
 from transformers import TrainerCallback
 
-from multiprocess_worker import PROMPTS, make_trainer
+from multiprocess_worker import make_trainer
 
 
 class Disagree(TrainerCallback):

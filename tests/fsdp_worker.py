@@ -2,12 +2,14 @@
 
     ACCELERATE_USE_CPU=1 <fsdp2 env> python -m torch.distributed.run --nproc_per_node 2 tests/fsdp_worker.py OUT SPECS
 
-SPECS: comma-separated ``<TrainerClass>:<lora|full>[:bf16]`` runs (2 iterations, a checkpoint each, then ``save_model``),
-``resume:<TrainerClass>:<lora|full>:<checkpoint>`` runs (resume from that checkpoint into OUT/resume-...), and
-``refuse:<TrainerClass>`` (building it must raise: the message goes to ``refuse-<TrainerClass>.json``).
+SPECS: comma-separated ``<TrainerClass>:<lora|full>[:bf16]`` runs (2 iterations, a checkpoint each, then
+``save_model``), ``resume:<TrainerClass>:<lora|full>:<checkpoint>`` runs (resume from that checkpoint into
+OUT/resume-...), and ``refuse:<TrainerClass>`` (building it must raise: the message goes to
+``refuse-<TrainerClass>.json``).
 Per run the main process writes ``<name>.safetensors``: the gathered iteration records and the trained weights
-(``w/<name>``, full tensors), ``<name>.json``: the logged grad norms and the run's recorded distributed state; every process writes
-``<name>.rank<r>.json``: how many parameter elements it holds of the model and of the frozen reference copy.
+(``w/<name>``, full tensors), ``<name>.json``: the logged grad norms and the run's recorded distributed state; every
+process writes ``<name>.rank<r>.json``: how many parameter elements it holds of the model and of the frozen reference
+copy.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ def trained_weights(trainer) -> dict[str, torch.Tensor]:
     from trl_flow.engine.distributed import full_tensors
 
     model = trainer.accelerator.unwrap_model(trainer.model)
-    return {n: t.clone() for n, t in full_tensors({n: p for n, p in model.named_parameters() if p.requires_grad}).items()}
+    return {n: t.clone()
+            for n, t in full_tensors({n: p for n, p in model.named_parameters() if p.requires_grad}).items()}
 
 
 def numels(module) -> list[int] | None:
@@ -72,7 +75,8 @@ def run(trainer, name, out_root, resume=None):
         json.dump({"model": numels(trainer.model), "ref_model": numels(trainer.ref_model)}, f)
     trainer.save_model(os.path.join(trainer.config.output_dir, "model"))
     if trainer.accelerator.is_main_process:
-        save_file({**records, **{f"w/{k}": v for k, v in weights.items()}}, os.path.join(out_root, f"{name}.safetensors"))
+        save_file({**records, **{f"w/{k}": v for k, v in weights.items()}},
+                  os.path.join(out_root, f"{name}.safetensors"))
         with open(os.path.join(out_root, f"{name}.json"), "w") as f:
             json.dump({"grad_norm": [h["grad_norm"] for h in trainer.state.log_history],
                        "distributed": trainer.state.distributed}, f)
@@ -95,7 +99,8 @@ def main(out_root: str, specs: list[str]) -> None:
         elif parts[0] == "resume":
             _, cls_name, finetune, checkpoint = parts
             name = f"resume-{cls_name}-{finetune}"
-            # One process: microbatches accumulated in pairs, so each optimizer step sees the samples of a 2-process one
+            # One process: microbatches accumulated in pairs, so each optimizer step sees the samples of a
+            # 2-process one
             accumulation = 2 if int(os.environ.get("WORLD_SIZE", "1")) == 1 else 1
             tr = make(getattr(trl_flow, cls_name), os.path.join(out_root, name), finetune,
                       gradient_accumulation_steps=accumulation)

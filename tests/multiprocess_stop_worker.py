@@ -2,11 +2,13 @@
 so that the test can wait on each process): the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) comes
 from the test.
 
-    ACCELERATE_USE_CPU=1 RANK=r WORLD_SIZE=2 ... python tests/multiprocess_stop_worker.py OUT MARKERS DDP_TIMEOUT [early]
+    ACCELERATE_USE_CPU=1 RANK=r WORLD_SIZE=2 ... \\
+        python tests/multiprocess_stop_worker.py OUT MARKERS DDP_TIMEOUT [early]
 
 Flow-GRPO on the tiny pipeline; with ``early`` the process group is made before the trainer (``PartialState()``, as
-many scripts do), so the trainer must apply ``ddp_timeout`` to an existing group. In the first iteration's reward call each process writes ``MARKERS/scored-<rank>``
-(with its pid); rank 1 then stops itself (SIGSTOP), so rank 0 waits for it in the next collective.
+many scripts do), so the trainer must apply ``ddp_timeout`` to an existing group. In the first iteration's reward call
+each process writes ``MARKERS/scored-<rank>`` (with its pid); rank 1 then stops itself (SIGSTOP), so rank 0 waits for
+it in the next collective.
 """
 
 from __future__ import annotations

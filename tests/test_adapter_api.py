@@ -65,7 +65,8 @@ class ToyAdapter(FlowAdapter):
                                   return_tensors="pt").input_ids.to(self.device)
         out = self.pipe.text_encoder(ids, output_hidden_states=True)
         hidden, pooled = out.hidden_states[-2], out.text_embeds
-        return {"prompt_embeds": torch.cat([hidden, hidden], -1), "pooled_prompt_embeds": torch.cat([pooled, pooled], -1)}
+        return {"prompt_embeds": torch.cat([hidden, hidden], -1),
+                "pooled_prompt_embeds": torch.cat([pooled, pooled], -1)}
 
     def schedule(self, num_inference_steps, height, width):
         self.pipe.scheduler.set_timesteps(num_inference_steps, device=self.device)
@@ -160,7 +161,8 @@ def test_register_refuses_a_class_that_is_not_a_flow_adapter():
 def test_reregistering_needs_overwrite():
     register_adapter(ToyFlowPipeline, ToyAdapter)
     register_adapter("ToyFlowPipeline", ToyAdapter)  # the same adapter again: a no-op
-    with pytest.raises(ValueError, match=r"ToyFlowPipeline already has an adapter \(ToyAdapter\); pass overwrite=True"):
+    with pytest.raises(ValueError,
+                       match=r"ToyFlowPipeline already has an adapter \(ToyAdapter\); pass overwrite=True"):
         register_adapter(ToyFlowPipeline, OtherToyAdapter)
     assert type(get_adapter(toy_pipeline())) is ToyAdapter  # the refused call changed nothing
     register_adapter(ToyFlowPipeline, OtherToyAdapter, overwrite=True)

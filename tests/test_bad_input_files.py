@@ -55,9 +55,11 @@ FILES = [  # (id, file name, content, what the error must say besides the file's
      r"line 300, column 24: invalid JSON .*one JSON object"),
     ("prompt_is_a_number", "p.jsonl", b'{"prompt": "a cat"}\n{"prompt": 5}\n',
      r"line 2: `prompt` is a number \(5\); each prompt must be one string"),
-    ("prompt_is_a_list", "p.jsonl", b'{"prompt": "a cat", "n": 1}\n{"prompt": ["a", "dog"], "n": 2}\n{"prompt": "x"}\n',
+    ("prompt_is_a_list", "p.jsonl",
+     b'{"prompt": "a cat", "n": 1}\n{"prompt": ["a", "dog"], "n": 2}\n{"prompt": "x"}\n',
      r"line 2: `prompt` is a list \(\[\"a\", \"dog\"\]\)"),
-    ("prompt_is_an_object", "p.jsonl", b'{"prompt": {"text": "a cat", "tag": "animal"}}\n', r"line 1: `prompt` is an object"),
+    ("prompt_is_an_object", "p.jsonl", b'{"prompt": {"text": "a cat", "tag": "animal"}}\n',
+     r"line 1: `prompt` is an object"),
     ("prompt_is_null", "p.jsonl", b'{"prompt": "a cat"}\n\n{"prompt": null}\n', r"line 3: `prompt` is null \(null\)"),
     ("empty_prompt", "p.jsonl", b'{"prompt": "a cat"}\n{"prompt": "  "}\n', r"line 2: `prompt` is empty"),
     ("not_an_object", "p.jsonl", b'{"prompt": "a cat"}\n["a dog"]\n', r"line 2 is a list, not a JSON object"),
@@ -103,8 +105,8 @@ def test_the_first_prompt_loses_a_utf8_bom(tmp_path):
 def test_other_columns_keep_their_types_and_missing_values_are_none(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "a cat", "n": 1, "tag": "animal", "include": [{"class": "cat"}]}\n'
-                    '{"prompt": "a dog", "n": 2, "include": [{"class": "dog", "count": 2}], "exclude": {"class": "cat"}}\n'
-                    '{"prompt": "a car"}\n')
+                    '{"prompt": "a dog", "n": 2, "include": [{"class": "dog", "count": 2}], "exclude": {"class": '
+                    '"cat"}}\n{"prompt": "a car"}\n')
     ds = load_prompts(str(path))
     assert ds["prompt"] == ["a cat", "a dog", "a car"]
     assert ds["n"] == [1, 2, None] and ds.features["n"].dtype == "int64"

@@ -89,7 +89,8 @@ def test_long_prompts_warn_once_not_at_every_encode(make_trainer):
 # ------------------------------------------------------------------------------------------------- pipeline
 def test_pipeline_size_limit_is_named_before_compute(tmp_path, fresh_pipe):
     with pytest.raises(ValueError, match=r"height=256, width=256: .* at most 128 x 128.*--height/--width <= 128"):
-        FlowGRPOTrainer(tiny_config(tmp_path, height=256, width=256), fresh_pipe(), [brightness], train_dataset=PROMPTS)
+        FlowGRPOTrainer(tiny_config(tmp_path, height=256, width=256), fresh_pipe(), [brightness],
+                        train_dataset=PROMPTS)
 
 
 def test_shapes_model_without_height_32(tmp_path):

@@ -26,8 +26,9 @@ def _load(script: str = "shapes"):
 
 def test_quick_harness_writes_every_output(tmp_path):
     mod = _load()
-    summary = mod.main(["--quick", "--tier", "0", "--out", str(tmp_path)])
-    for name in ("results.json", "summary.json", "table.md", "score_vs_step.png", "score_vs_cpu.png", "score_vs_kl.png"):
+    mod.main(["--quick", "--tier", "0", "--out", str(tmp_path)])
+    for name in ("results.json", "summary.json", "table.md", "score_vs_step.png", "score_vs_cpu.png",
+                 "score_vs_kl.png"):
         assert os.path.getsize(tmp_path / name) > 100, name
     data = json.loads((tmp_path / "results.json").read_text())
     assert {r["method"] for r in data["runs"]} == {"flow_grpo", "op_grpo"}
@@ -53,7 +54,8 @@ def test_quick_harness_writes_every_output(tmp_path):
         s = saved["methods"][m]
         assert s["seeds"] == [0] and 0 <= s["final_mean"] <= 1 and s["final_std"] == 0.0 and s["kl_final"] > 0
         assert "steps_to_target" in s and (saved["target"] is not None or s["steps_to_target"] is None)
-    assert set(saved["acceptance"]) >= {"gain", "gain_ok", "gain_at_least_0.08", "gain_at_least_3_std", "cleanliness_ok"}
+    assert set(saved["acceptance"]) >= {"gain", "gain_ok", "gain_at_least_0.08", "gain_at_least_3_std",
+                                        "cleanliness_ok"}
     table = (tmp_path / "table.md").read_text()
     assert "| flow_grpo |" in table and "| op_grpo |" in table
 

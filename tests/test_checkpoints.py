@@ -190,7 +190,8 @@ def test_a_second_ctrl_c_stops_at_once_and_keeps_the_last_checkpoint(make_traine
 
 def _run_child(out, max_steps, hang_at=0, reward_seconds=0.0):
     return subprocess.Popen([sys.executable, os.path.join(HERE, "checkpoints_child.py"), str(out), str(max_steps),
-                             str(hang_at), str(reward_seconds)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                             str(hang_at), str(reward_seconds)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
                                      PYTHONPATH=os.pathsep.join([os.path.dirname(HERE),
                                                                  os.environ.get("PYTHONPATH", "")])))

@@ -147,7 +147,8 @@ def test_one_loss_evaluation_matches_the_reference_formula(beta):
 def test_optimality_probability_and_its_advantage_modes():
     adv = torch.tensor([-7.0, -2.5, 0.0, 1.0, 5.0, 9.0])
     for mode, want in [("all", [0.0, 0.25, 0.5, 0.6, 1.0, 1.0]), ("positive_only", [0.5, 0.5, 0.5, 0.6, 1.0, 1.0]),
-                       ("negative_only", [0.0, 0.25, 0.5, 0.5, 0.5, 0.5]), ("one_only", [0.5, 0.5, 0.5, 0.6, 0.6, 0.6]),
+                       ("negative_only", [0.0, 0.25, 0.5, 0.5, 0.5, 0.5]),
+                       ("one_only", [0.5, 0.5, 0.5, 0.6, 0.6, 0.6]),
                        ("binary", [0.4, 0.4, 0.5, 0.6, 0.6, 0.6])]:
         torch.testing.assert_close(optimality_probability(adv, 5.0, mode), torch.tensor(want), msg=mode)
 
@@ -205,9 +206,9 @@ def test_final_only_rollout_keeps_the_final_latents_bit_for_bit(base_pipe):
     noise = adapter.initial_noise(3, 32, 32, torch.Generator().manual_seed(0))
     for sampler in ("ode", "flow_sde"):
         kinds = [sampler] * 3 + ["ode"]
-        run = lambda store: sample_trajectories(adapter, base_pipe.transformer, embeds, noise, schedule, kinds, 0.7, 1.0,  # noqa: E731
-                                                2, generator=[torch.Generator().manual_seed(i) for i in range(3)],
-                                                store=store)
+        run = lambda store: sample_trajectories(  # noqa: E731
+            adapter, base_pipe.transformer, embeds, noise, schedule, kinds, 0.7, 1.0,
+            2, generator=[torch.Generator().manual_seed(i) for i in range(3)], store=store)
         full, final = run("trajectory"), run("final")
         assert final["states"].shape == (3, 1, *noise.shape[1:]) and final["means"] is None
         assert torch.equal(final["states"][:, 0], full["states"][:, -1])

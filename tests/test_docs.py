@@ -142,7 +142,8 @@ def test_config_tables_match_the_config_classes():
         cls = _table_class(name)
         if cls is None:  # a trainer of a later version: checked once it exists
             continue
-        assert table == config_table(cls), f"{_rel(page)}: the {name} table is stale; run python tests/test_docs.py --update"
+        assert table == config_table(cls), (f"{_rel(page)}: the {name} table is stale; "
+                                            "run python tests/test_docs.py --update")
 
 
 # ------------------------------------------------------------------------------- numbers quoted from results
@@ -153,7 +154,8 @@ def _quickstart():
     import importlib.util
     import json
 
-    spec = importlib.util.spec_from_file_location("quickstart_for_docs", os.path.join(ROOT, "examples", "quickstart.py"))
+    spec = importlib.util.spec_from_file_location("quickstart_for_docs",
+                                                  os.path.join(ROOT, "examples", "quickstart.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     with open(QUICKSTART_RESULTS, encoding="utf-8") as f:
@@ -172,7 +174,8 @@ def test_readme_quickstart_numbers_are_the_committed_seeds():
         seeds = json.load(f)
     readme = _page_text("README.md")
     sentence = quickstart.readme_seeds_summary(seeds)
-    assert sentence in readme, f"README.md's quickstart numbers differ from {_rel(QUICKSTART_SEEDS)}: expected\n{sentence}"
+    assert sentence in readme, (f"README.md's quickstart numbers differ from {_rel(QUICKSTART_SEEDS)}: "
+                                f"expected\n{sentence}")
     assert len(seeds["seeds"]) >= 5
     gains = [r["trained_prompts"]["strict"][1] - r["trained_prompts"]["strict"][0] for r in seeds["seeds"].values()]
     assert min(gains) >= 0.10 and seeds["gains"]["trained_prompts/strict"]["min"] == pytest.approx(min(gains))
@@ -345,7 +348,8 @@ def test_results_page_statistics():
     machines = ("runs of different or unrecorded machines: CPU not compared", None)
     one_seed = ("418 (1 seed) vs 452 +- 56 (0.92x)", None)
     where = ("tier2", "tier2b")
-    assert page.claim_verdict(where, [machines, one_seed], "lower") == "not yet: set A machines differ; set B too few seeds"
+    assert page.claim_verdict(where, [machines, one_seed],
+                              "lower") == "not yet: set A machines differ; set B too few seeds"
     assert page.claim_verdict(where, [machines, ("400 +- 9 vs 452 +- 56", up)], "lower") == \
         "holds on set B (set A: machines differ)"
     assert page.claim_verdict(where, [one_seed, one_seed], "lower") == "too few seeds yet"
@@ -364,10 +368,12 @@ def test_results_page_statistics():
                                                 "clip_off": [0.2, 0.2, 0.2]},
                      "op_grpo_share_50@0.001": {"seeds": [0], "final": [2], "kl": [0.3], "clip_off": [0.04]}}}
     rows = page.ablation_table(p)
-    assert rows[2] == "| described form (sequence weight) | 3 | 2.000 +- 1.000 | reference | 0.100 +- 0.000 | 7.0% +- 2.0% |"
+    assert rows[2] == ("| described form (sequence weight) | 3 | 2.000 +- 1.000 | reference | 0.100 +- 0.000 | "
+                       "7.0% +- 2.0% |")
     assert rows[3] == ("| per-step ratio | 3 | 5.000 +- 1.000 | t +3.7, df 4.0, p 0.021 | 0.200 +- 0.000 | "
                        "20.0% +- 0.0% |")  # scipy: ttest_ind([4, 5, 6], [1, 2, 3], equal_var=False)
-    assert rows[4] == "| 50% replayed | 1 | 2.000 (1 seed) | n/a (one seed) | 0.300 (1 seed) | 4.0% |" and len(rows) == 5
+    assert rows[4] == "| 50% replayed | 1 | 2.000 (1 seed) | n/a (one seed) | 0.300 (1 seed) | 4.0% |"
+    assert len(rows) == 5
     # a target field where a seed never reached the target gets no t (its failures would be dropped), and says so
     p = {"methods": {"a": {"steps_to_target": [40, 40, 40]}, "b": {"steps_to_target": [30, 30, None]}}}
     text, r = page.cell(p, "a", "b", "steps_to_target")
@@ -393,14 +399,16 @@ def test_results_page_panel_from_two_folders(tmp_path):
     page = _results_page()
 
     def run(method, seed, ys, split="trained"):
-        return {"method": method, "seed": seed, "cpu_s": 60.0, "iterations": [{}] * 6, "machine": {"calibration_s": 0.15},
+        return {"method": method, "seed": seed, "cpu_s": 60.0, "iterations": [{}] * 6,
+                "machine": {"calibration_s": 0.15},
                 "evals": [{"step": 10 * i, "cpu_s": 10.0 * i, "kl": 0.01 * i,
                            split: {"overall": {"strict": y, "n": 100}}} for i, y in enumerate(ys)]}
 
     def folder(name, base, target, runs, split="trained"):
         os.makedirs(tmp_path / name)
         with open(tmp_path / name / "results.json", "w") as f:
-            json.dump({"summary": {"split": split, "score_key": "strict", "target": target, "base": base}, "runs": runs}, f)
+            json.dump(
+                {"summary": {"split": split, "score_key": "strict", "target": target, "base": base}, "runs": runs}, f)
 
     folder("nft", 0.1, None, [run("diffusion_nft@0.001", s, [0.1, 0.3, 0.5]) for s in (0, 1)])
     folder("fg", 0.25, 0.4, [run("flow_grpo@0.001", s, [0.25, 0.35, 0.45]) for s in (0, 1)]
@@ -412,7 +420,8 @@ def test_results_page_panel_from_two_folders(tmp_path):
     assert p["base"] == 0.1 and p["target"] == 0.4
     # the base's error: its own folder's step-0 evaluation, 100 images
     assert p["base_n"] == 100 and p["base_se"] == pytest.approx((0.1 * 0.9 / 100) ** 0.5)
-    assert p["methods"]["diffusion_nft@0.001"]["seeds"] == [0, 1] and p["methods"]["flow_grpo@0.001"]["seeds"] == [0, 1]
+    assert p["methods"]["diffusion_nft@0.001"]["seeds"] == [0, 1]
+    assert p["methods"]["flow_grpo@0.001"]["seeds"] == [0, 1]
     # iterations to the target: the first evaluation reaching it, and the crossing interpolated between the two
     # evaluations around it (0.3 at 10, 0.5 at 20: 0.4 at 15; 0.35 at 10, 0.45 at 20: also 15)
     assert p["methods"]["diffusion_nft@0.001"]["steps_to_target_raw"] == [20, 20]
@@ -606,7 +615,8 @@ def test_stepwise_grid_numbers_are_the_committed_measurement():
     """docs/stepwise_flow_grpo.md's grid comparison quotes benchmarks/results/stepwise_grid_seed{0,1}.json (paired
     differences shifted - linear, and the correlation per T')."""
     docs = " ".join(open(os.path.join(ROOT, "docs", "stepwise_flow_grpo.md")).read().split())
-    runs = [json.load(open(os.path.join(ROOT, "benchmarks", "results", f"stepwise_grid_seed{s}.json"))) for s in (0, 1)]
+    runs = [
+        json.load(open(os.path.join(ROOT, "benchmarks", "results", f"stepwise_grid_seed{s}.json"))) for s in (0, 1)]
     paired = [{p["substeps"]: p for p in r["paired"]} for r in runs]
 
     def pm(d):
@@ -667,7 +677,8 @@ def _op_described_form_rows(folder: str, cpu: bool) -> list[tuple[str, dict, dic
 
 def test_op_grpo_described_form_table_is_the_committed_summary():
     """docs/op_grpo.md's described-form table (tier 2, three rates) is benchmarks/results/shapes_tier2_op/summary.json:
-    final score and Welch t, iterations to the target, KL to the base and its t, off-policy clip fraction (the replay-share change)."""
+    final score and Welch t, iterations to the target, KL to the base and its t, off-policy clip fraction (the
+    replay-share change)."""
     docs = open(os.path.join(ROOT, "docs", "op_grpo.md")).read()
     for row, r, r_kl in _op_described_form_rows("shapes_tier2_op", cpu=False):
         assert row in docs, row
@@ -676,8 +687,9 @@ def test_op_grpo_described_form_table_is_the_committed_summary():
 
 
 def test_op_grpo_sparse_tier_table_is_the_committed_summary():
-    """docs/op_grpo.md's sparse-tier table and its reading (the replay-share change) are benchmarks/results/shapes_sparse/summary.json:
-    the rows (with CPU-seconds to the target: one machine), the target and Flow-GRPO's gain, the cost per iteration."""
+    """docs/op_grpo.md's sparse-tier table and its reading (the replay-share change) are
+    benchmarks/results/shapes_sparse/summary.json: the rows (with CPU-seconds to the target: one machine), the target
+    and Flow-GRPO's gain, the cost per iteration."""
     import statistics as st
 
     docs = open(os.path.join(ROOT, "docs", "op_grpo.md")).read()
@@ -696,9 +708,9 @@ def test_op_grpo_sparse_tier_table_is_the_committed_summary():
 
 
 def test_stepwise_substeps_table_is_the_committed_summaries():
-    """docs/stepwise_flow_grpo.md's T' table (the T' measurement: the default T' = 2 rests on it) quotes tier 2's committed
-    summaries: final strict and Welch t against Flow-GRPO on sets A and B (3 seeds a row), CPU per iteration and CPU
-    to the target against Flow-GRPO's on set B (one machine), and no row separates from Flow-GRPO or T' = 5."""
+    """docs/stepwise_flow_grpo.md's T' table (the T' measurement: the default T' = 2 rests on it) quotes tier 2's
+    committed summaries: final strict and Welch t against Flow-GRPO on sets A and B (3 seeds a row), CPU per iteration
+    and CPU to the target against Flow-GRPO's on set B (one machine), and no row separates from Flow-GRPO or T' = 5."""
     from trl_flow import StepwiseFlowGRPOConfig
 
     docs = open(os.path.join(ROOT, "docs", "stepwise_flow_grpo.md")).read()
@@ -771,8 +783,8 @@ def test_sparse_tier_gains_in_benchmarks_md_are_the_committed_summary():
 
 
 def test_readme_op_grpo_verdict_is_the_committed_summaries():
-    """README's OP-GRPO sentence (the replay-share change): the KL range over both tiers and three rates, and no final score
-    separating, from shapes_tier2_op and shapes_sparse."""
+    """README's OP-GRPO sentence (the replay-share change): the KL range over both tiers and three rates, and no final
+    score separating, from shapes_tier2_op and shapes_sparse."""
     flat = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
     ratios = []
     for folder, cpu in (("shapes_tier2_op", False), ("shapes_sparse", True)):
@@ -819,7 +831,8 @@ def test_op_grpo_ablation_tables_are_the_committed_summaries():
         if "op_grpo_per_step@0.001" not in p["methods"]:
             assert quote not in flat, f"{panel}: the per-step ratio is quoted but not committed"
             continue
-        clip = {label: st.mean(p["methods"][label]["clip_off"]) for label in ("op_grpo@0.001", "op_grpo_per_step@0.001")}
+        clip = {
+            label: st.mean(p["methods"][label]["clip_off"]) for label in ("op_grpo@0.001", "op_grpo_per_step@0.001")}
         ratio = clip["op_grpo_per_step@0.001"] / clip["op_grpo@0.001"]
         assert f"clips {ratio:.1f}x {quote}" in flat, (panel, ratio)
     # the share sentences: on both tiers no share separates (set A's final means and the 50% share's t as quoted); on
@@ -859,8 +872,8 @@ def _reach_cell(page, m) -> str:
 
 
 def test_diffusion_nft_numbers_are_the_committed_results():
-    """docs/diffusion_nft.md's CFG-free table (the DiffusionNFT runs: 3 seeds at 3 rates, beside Flow-GRPO with CFG, iterations to
-    Flow-GRPO's absolute target) and its t values are what results_page's "nft" panel and
+    """docs/diffusion_nft.md's CFG-free table (the DiffusionNFT runs: 3 seeds at 3 rates, beside Flow-GRPO with CFG,
+    iterations to Flow-GRPO's absolute target) and its t values are what results_page's "nft" panel and
     benchmarks/results/shapes_tier2_nft/results.json give; the README's trainer row quotes the same means."""
     page = _results_page()
     p = page.load_panel("nft")
@@ -875,14 +888,16 @@ def test_diffusion_nft_numbers_are_the_committed_results():
         a, b = p["methods"][f"diffusion_nft@{lr}"], p["methods"][f"flow_grpo@{lr}"]
         assert len(a["seeds"]) == len(b["seeds"]) == 3, lr
         val = [r["evals"][-1]["val"]["overall"]["strict"] for r in runs if r["method"] == f"diffusion_nft@{lr}"]
-        assert (f"| {lr} | {page.fmt(page.ms(a['final']))} | {page.fmt(page.ms(val))} | {page.fmt(page.ms(a['kl']))} | "
-                f"{reach(a)} | {page.fmt(page.ms(b['final']))} | {page.fmt(page.ms(b['kl']))} | {reach(b)} |") in flat, lr
+        assert (f"| {lr} | {page.fmt(page.ms(a['final']))} | {page.fmt(page.ms(val))} | {page.fmt(page.ms(a['kl']))} "
+                f"| {reach(a)} | {page.fmt(page.ms(b['final']))} | {page.fmt(page.ms(b['kl']))} "
+                f"| {reach(b)} |") in flat, lr
         nft.append(statistics.mean(a["final"]))
         fg.append(statistics.mean(b["final"]))
     # the final-score t values the prose quotes: level at 5e-4, above at 2e-3, within the noise at 1e-3
     t = [page.welch_t(p["methods"][f"diffusion_nft@{lr}"]["final"], p["methods"][f"flow_grpo@{lr}"]["final"])
          for lr in ("0.0005", "0.001", "0.002")]
-    assert f"at 5e-4 (Welch t {t[0]:+.1f}) and above it at 2e-3 (t {t[2]:+.1f})" in flat and f"at 1e-3 t {t[1]:+.1f}" in flat
+    assert f"at 5e-4 (Welch t {t[0]:+.1f}) and above it at 2e-3 (t {t[2]:+.1f})" in flat
+    assert f"at 1e-3 t {t[1]:+.1f}" in flat
     words = [page.significance(p["methods"][f"diffusion_nft@{lr}"]["final"], p["methods"][f"flow_grpo@{lr}"]["final"],
                                better="higher")["word"] for lr in ("0.0005", "0.001", "0.002")]
     assert words == ["within the noise", "within the noise", "holds"]
@@ -970,7 +985,8 @@ def test_set_a_cpu_reference_runs_repeat_the_committed_scores_and_give_the_cpu_c
     for r in ref:
         twin = committed[(r["method"], r["seed"])]
         assert len(r["evals"]) == len(twin["evals"]) == 7
-        assert [restrict(e, old) for e, old in zip(r["evals"], twin["evals"])] == [restrict(e, e) for e in twin["evals"]]
+        assert [restrict(e, old) for e, old in zip(r["evals"], twin["evals"])] == [
+            restrict(e, e) for e in twin["evals"]]
         assert [i["reward"] for i in r["iterations"]] == [i["reward"] for i in twin["iterations"]]
         assert r["machine"]["calibration_s"] > 0
     p = page.load_panel("nft_cpu")
@@ -981,7 +997,8 @@ def test_set_a_cpu_reference_runs_repeat_the_committed_scores_and_give_the_cpu_c
         assert r["word"] == "within the noise"  # the prose calls both within the noise
     it = {label: statistics.mean(m["cpu_per_iter"]) for label, m in p["methods"].items()}
     f, c, n = it["flow_grpo@0.0005"], it["diffusion_nft_cfg@0.0005"], it["diffusion_nft@0.0005"]
-    assert (f"Flow-GRPO costs {f:.1f} CPU-s, DiffusionNFT with CFG {c:.1f} ({c / f:.2f}x: every training point") in flat
+    assert (
+        f"Flow-GRPO costs {f:.1f} CPU-s, DiffusionNFT with CFG {c:.1f} ({c / f:.2f}x: every training point") in flat
     assert f"and without CFG {n:.1f} ({n / f:.2f}x)" in flat
 
 
@@ -999,16 +1016,16 @@ def test_diffusion_nft_with_cfg_numbers_are_the_committed_results():
     for lr in rates:
         a, b = p["methods"][f"diffusion_nft_cfg@{lr}"], p["methods"][f"flow_grpo@{lr}"]
         r = page.significance(a["final"], b["final"])
-        row = (f"| {lr} | {len(a['seeds'])} | {page.fmt(page.ms(a['final']))} | {page.fmt(page.ms(a['kl']))} | {reach(a)} | "
-               f"{page.fmt(page.ms(b['final']))} | {page.fmt(page.ms(b['kl']))} | {reach(b)} | "
+        row = (f"| {lr} | {len(a['seeds'])} | {page.fmt(page.ms(a['final']))} | {page.fmt(page.ms(a['kl']))} | "
+               f"{reach(a)} | {page.fmt(page.ms(b['final']))} | {page.fmt(page.ms(b['kl']))} | {reach(b)} | "
                + ("n/a (one seed)" if r["t"] is None else page.stat_text(r)) + " |")
         assert row in flat, row
     a, b = p["methods"]["diffusion_nft_cfg@0.001"], p["methods"]["flow_grpo@0.001"]
     t = page.welch_t(a["final"], b["final"])
     assert len(a["seeds"]) == len(b["seeds"]) == 3 and page.significance(a["final"], b["final"], better="higher")[
         "word"] == "holds"
-    assert (f"({page.fmt(page.ms(a['final']))} against {page.fmt(page.ms(b['final']))}, Welch t {t:+.1f}) at a quarter "
-            f"of its KL") in flat and 0.2 <= statistics.mean(a["kl"]) / statistics.mean(b["kl"]) <= 0.3
+    assert (f"({page.fmt(page.ms(a['final']))} against {page.fmt(page.ms(b['final']))}, Welch t {t:+.1f}) at a "
+            f"quarter of its KL") in flat and 0.2 <= statistics.mean(a["kl"]) / statistics.mean(b["kl"]) <= 0.3
     # iterations to the target at 5e-4: the interpolated crossings (the page's), within the noise at 3 seeds
     c = page.compare(p, "diffusion_nft_cfg@0.0005", "flow_grpo@0.0005", "steps_to_target", "lower")
     assert (f"(interpolated crossings {page.fmt(c['a'], 0)} against {page.fmt(c['b'], 0)}: {c['ratio']:.2f}x, "

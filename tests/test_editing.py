@@ -67,7 +67,8 @@ def test_every_value_form_decodes_to_the_same_rgb_image(tmp_path):
     ("missing", r"image file '.*nope.png' not found"),
     ("garbage", r"'.*g.png' is not a readable image"),
     (None, r"no source image \(None\)"),
-    (np.zeros((4, 5, 2), np.uint8), r"an image array must be \(H, W, 3\), \(3, H, W\) or \(H, W\), got shape \(4, 5, 2\)"),
+    (np.zeros((4, 5, 2), np.uint8),
+     r"an image array must be \(H, W, 3\), \(3, H, W\) or \(H, W\), got shape \(4, 5, 2\)"),
     (Image.new("F", (4, 4)), r"PIL image of mode 'F'"),
 ])
 def test_bad_sources_name_the_dataset_row_and_column(tmp_path, value, match):
@@ -263,7 +264,8 @@ def test_a_source_broken_after_set_up_is_named_by_its_path_when_decoded(tmp_path
     data = (tmp_path / "b.png").read_bytes()
     (tmp_path / "b.png").write_bytes(data[: len(data) // 2])  # the header reads, the pixels do not
     assert editing._check_value(str(tmp_path / "b.png"), "w") == (64, 64)
-    with pytest.raises(ValueError, match=r"^train_dataset: column `source_image`: cannot decode '[^']*b.png' \(OSError"):
+    with pytest.raises(ValueError,
+                       match=r"^train_dataset: column `source_image`: cannot decode '[^']*b.png' \(OSError"):
         editing.adapter_images(Editing(None), {"source_image": [str(tmp_path / "b.png")]})
     with pytest.raises(ValueError, match=r"Editing needs the `source_image` column .* columns=\{'source_image'"):
         editing.adapter_images(Editing(None), {})

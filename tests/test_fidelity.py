@@ -1,5 +1,6 @@
-"""Fidelity to the papers and the released code (the kernel measurement): where OP-GRPO's importance weight enters the clipped
-objective, Flow-DPPO's defaults from its released code, and defaults resolved where they are used (never stored in
+"""Fidelity to the papers and the released code (the kernel measurement): where OP-GRPO's importance weight enters the
+clipped objective, Flow-DPPO's defaults from its released code, and defaults resolved where they are used (never
+stored in
 ``__post_init__``, so ``dataclasses.replace`` and recipe overrides keep meaning "the default")."""
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ EPS = 0.1
 def _grad(log_ratio, adv, w, placement):
     """Loss and d loss / d log_prob of one sample at ``rho = exp(log_ratio)``."""
     lp = torch.tensor([log_ratio], dtype=torch.float64, requires_grad=True)
-    loss, stats = clipped_policy_loss(lp, torch.zeros(1, dtype=torch.float64), torch.tensor([adv], dtype=torch.float64),
+    loss, stats = clipped_policy_loss(lp, torch.zeros(1, dtype=torch.float64),
+                                      torch.tensor([adv], dtype=torch.float64),
                                       EPS, weights=torch.tensor([w], dtype=torch.float64), weight_placement=placement)
     loss.sum().backward()
     return float(loss.detach()), float(lp.grad), stats
@@ -108,7 +110,8 @@ def test_flow_dppo_defaults_follow_the_released_code():
             == PAPER_KL_MASK_DELTAS[sampler]
     helps = {f.name: f.metadata["help"] for f in dataclasses.fields(FlowDPPOConfig)}
     for value in (DEFAULT_KL_MASK_DELTA, *PAPER_KL_MASK_DELTAS.values()):
-        assert f"{value:.0e}".replace("e-0", "e-") in helps["kl_mask_delta"], value  # the help gives both the code's and the paper's
+        # the help gives both the code's and the paper's
+        assert f"{value:.0e}".replace("e-0", "e-") in helps["kl_mask_delta"], value
     assert "released" in helps["kl_mask_delta"] and "released" in helps["kl_form"]
 
 
@@ -118,7 +121,8 @@ def test_replace_keeps_default_meaning_default():
     assert c.kl_mask_delta is None and c.resolved_kl_mask_delta == DEFAULT_KL_MASK_DELTA
     explicit = dataclasses.replace(FlowDPPOConfig(kl_mask_delta=3e-6), sampler="cps")
     assert explicit.resolved_kl_mask_delta == 3e-6
-    # truncation_fraction 0.1 (the replay-share change; was K // 2): the last ceil(0.1 (K - 1)) of the K - 1 trained steps regenerated
+    # truncation_fraction 0.1 (the replay-share change; was K // 2): the last ceil(0.1 (K - 1)) of the K - 1 trained
+    # steps regenerated
     o = OPGRPOConfig(num_inference_steps=10)
     assert o.truncation_step is None and o.resolved_truncation_step == 8
     o6 = dataclasses.replace(o, num_inference_steps=6)

@@ -71,7 +71,8 @@ def test_default_run_uses_each_sample_once_in_the_flow_grpo_schedule(tmp_path, m
     dppo, seen, steps = run(FlowDPPOConfig, FlowDPPOTrainer, "dppo")
     grpo, _, grpo_steps = run(FlowGRPOConfig, FlowGRPOTrainer, "grpo")
     n = dppo.config.train_batch_size
-    assert dppo.optimizer_steps_per_iteration == grpo.optimizer_steps_per_iteration == len(steps) == len(grpo_steps) == 2
+    assert (dppo.optimizer_steps_per_iteration == grpo.optimizer_steps_per_iteration == len(steps) == len(grpo_steps)
+            == 2)
     for k in {k for k, _ in seen}:  # every trained step sees every trajectory exactly once, in disjoint minibatches
         used = [i for kk, idx in seen if kk == k for i in idx]
         assert sorted(used) == list(range(n)), (k, used)

@@ -125,7 +125,8 @@ def test_reference_policy_is_the_base_model(make_trainer, base_pipe):
     adapter = get_adapter(base_pipe)
     x = rollout.states[idx, k]
     with torch.no_grad():
-        v = adapter.velocity(base_pipe.transformer, x, rollout.schedule.timesteps[k], index_embeds(rollout.embeds, idx),
+        v = adapter.velocity(base_pipe.transformer, x, rollout.schedule.timesteps[k],
+                             index_embeds(rollout.embeds, idx),
                              4.5)
     mean, _ = kernel_mean_std("flow_sde", x, v, rollout.schedule.sigmas[k], rollout.schedule.sigmas[k + 1], 0.7)
     assert torch.equal(out.ref_mean, mean)

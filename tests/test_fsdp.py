@@ -34,7 +34,8 @@ import multiprocess_worker as mw
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 #: Every trainer that FSDP can run (OP-GRPO is refused: tested below), LoRA and full fine-tuning.
-RUNS = [f"{c}:{ft}" for c in ("FlowGRPOTrainer", "StepwiseFlowGRPOTrainer", "FlowDPPOTrainer") for ft in ("lora", "full")]
+RUNS = [f"{c}:{ft}" for c in ("FlowGRPOTrainer", "StepwiseFlowGRPOTrainer", "FlowDPPOTrainer") for ft in ("lora",
+    "full")]
 TOL = {"lora": 1e-3, "full": 5e-3}
 
 
@@ -80,7 +81,8 @@ def fsdp(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fsdp_one(fsdp, tmp_path_factory):
-    """One 1-process FSDP2 launch (torchrun --nproc_per_node 1, same environment) resuming both 2-process checkpoints."""
+    """One 1-process FSDP2 launch (torchrun --nproc_per_node 1, same environment) resuming both 2-process
+    checkpoints."""
     specs = [f"resume:FlowGRPOTrainer:{ft}:{fsdp}/FlowGRPOTrainer-{ft}/checkpoint-1" for ft in ("lora", "full")]
     return _launch(tmp_path_factory.mktemp("fsdp_one"), specs, nproc=1)
 
@@ -141,7 +143,8 @@ def test_fsdp2_shards_and_matches_ddp_and_one_process(fsdp, ddp, tmp_path, spec)
     final = [f"w/{k}" for k in w0]
     print(f"\n{spec}: first update {update:.3g}; max diff / update: FSDP-1proc "
           f"{_max_diff(ones, two, first) / update:.3g}, DDP-1proc {_max_diff(ones, ddp_two, first) / update:.3g}, "
-          f"FSDP-DDP {_max_diff(two, ddp_two, first) / update:.3g}; final FSDP-DDP {_max_diff(two, ddp_two, final) / update:.3g}")
+          f"FSDP-DDP {_max_diff(two, ddp_two, first) / update:.3g}; final FSDP-DDP "
+          f"{_max_diff(two, ddp_two, final) / update:.3g}")
     assert _max_diff(two, ddp_two, final) < TOL[finetune] * update, (_max_diff(two, ddp_two, final), update)
     # Gradient clipping (max_grad_norm=1e-4, below every gradient norm here: always active) sees the global norm.
     # First iteration to 1e-5 (rounding), the second to 1e-3 (its rollout differs by rounding too); a norm over one
@@ -195,7 +198,8 @@ def test_fsdp2_checkpoint_resumes_bit_identically_on_two_and_to_rounding_on_one(
     same_iteration(resumed, exact=True)
     keys = [k for k in full_run if k.startswith("w/")]
     assert all(torch.equal(resumed[k], full_run[k]) for k in keys)
-    model_file = "pytorch_lora_weights.safetensors" if finetune == "lora" else "transformer/diffusion_pytorch_model.safetensors"
+    model_file = ("pytorch_lora_weights.safetensors" if finetune == "lora"
+                  else "transformer/diffusion_pytorch_model.safetensors")
     from safetensors.torch import load_file
 
     # Tensors, not bytes: the LoRA metadata lists peft's target_modules set, whose order varies between processes

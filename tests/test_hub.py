@@ -71,7 +71,8 @@ def online_hub(tmp_path, monkeypatch):
 def _lora_state(trainer):
     from peft.utils import get_peft_model_state_dict
 
-    return {k: v.detach().clone() for k, v in get_peft_model_state_dict(trainer.accelerator.unwrap_model(trainer.model)).items()}
+    return {k: v.detach().clone() for k,
+            v in get_peft_model_state_dict(trainer.accelerator.unwrap_model(trainer.model)).items()}
 
 
 def test_push_uploads_only_lora_card_grid_and_buffer_and_the_card_is_complete(online_hub, tmp_path, fresh_pipe):
@@ -216,7 +217,8 @@ def test_card_citations_and_pipeline_tag_follow_the_trainer(tmp_path):
     for arxiv in ("2604.04142", "2603.28718", "2606.11025"):
         text = citations(types.SimpleNamespace(paper=f"Method, arXiv {arxiv}"))
         assert text.startswith(CITATIONS[arxiv]) and CITATIONS["2505.05470"] in text
-    assert citations(types.SimpleNamespace(paper="X, arXiv 2604.04142", citation="@misc{own}")).startswith("@misc{own}")
+    assert citations(
+        types.SimpleNamespace(paper="X, arXiv 2604.04142", citation="@misc{own}")).startswith("@misc{own}")
 
 
 def test_replay_buffer_upload_needs_a_trainer_with_a_buffer(online_hub, make_trainer):

@@ -1,6 +1,6 @@
-"""The long-prompt warning: each family's adapter gives the token limit its pipeline cuts at and counts a prompt's tokens
-as the pipeline does (chat templates, system messages, Qwen-Image's dropped prefix), so a too-long prompt warns once,
-naming its dataset row and the limit, in every family (before, families without a T5 / CLIP tokenizer never
+"""The long-prompt warning: each family's adapter gives the token limit its pipeline cuts at and counts a prompt's
+tokens as the pipeline does (chat templates, system messages, Qwen-Image's dropped prefix), so a too-long prompt warns
+once, naming its dataset row and the limit, in every family (before, families without a T5 / CLIP tokenizer never
 warned)."""
 
 from __future__ import annotations

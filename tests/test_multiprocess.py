@@ -42,7 +42,8 @@ def two_process_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("two")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
            os.path.join(HERE, "multiprocess_worker.py"), str(out), ",".join(c.__name__ for c in TRAINERS)]
-    proc = subprocess.run(cmd, env=_env(ACCELERATE_USE_CPU="1"), capture_output=True, text=True, timeout=300)  # a deadlock fails here
+    # a deadlock fails here
+    proc = subprocess.run(cmd, env=_env(ACCELERATE_USE_CPU="1"), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
 

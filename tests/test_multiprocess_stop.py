@@ -163,7 +163,8 @@ def _start_pair(tmp_path, ddp_timeout: float, *extra: str):
     port = str(_free_port())
     procs = []
     for rank in (0, 1):
-        env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", MASTER_ADDR="127.0.0.1",
+        env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+                   MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=port, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                    PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
         cmd = [sys.executable, os.path.join(HERE, "multiprocess_stop_worker.py"), str(tmp_path / "out"), str(markers),

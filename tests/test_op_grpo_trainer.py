@@ -48,7 +48,8 @@ def make_config(tmp_path, **kwargs):
 
 
 def make_trainer(tmp_path, reward=mean_pixel, dataset=PROMPTS, replay_buffer=None, lora_seed=0, **kwargs):
-    # Perturb the global RNG: the LoRA init must depend on config.seed only (test_lora_init_is_a_function_of_config_seed).
+    # Perturb the global RNG: the LoRA init must depend on config.seed only
+    # (test_lora_init_is_a_function_of_config_seed).
     torch.manual_seed(lora_seed)
     return OPGRPOTrainer(make_config(tmp_path, **kwargs), tiny_sd3_pipeline(), [reward], train_dataset=list(dataset),
                          replay_buffer=replay_buffer)
@@ -209,8 +210,8 @@ def test_at_g4_both_descriptions_hold_one_buffered_in_every_group(tmp_path):
 
 
 def test_group_unit_replays_one_trajectory_in_a_share_of_groups(tmp_path):
-    # replay_unit="group" (the form before the replay-share change): off_policy_fraction is the share of GROUPS, one buffered
-    # trajectory each, one buffer entry per prompt
+    # replay_unit="group" (the form before the replay-share change): off_policy_fraction is the share of GROUPS, one
+    # buffered trajectory each, one buffer entry per prompt
     P, G = 4, 3
     tr = make_trainer(tmp_path, prompts_per_step=P, num_generations=G, replay_unit="group", off_policy_fraction=0.5)
     assert tr.replay_buffer.per_prompt == 1
@@ -296,7 +297,8 @@ def test_replayed_trajectory_is_not_offered_to_the_buffer(tmp_path):
         top2 = sorted(fresh, key=lambda m: -float(r.rewards[m]))[:2]
         for e in tr.replay_buffer.entries_of(r.prompts[i]):
             assert any(e is o for o in old[r.prompts[i]]) or (
-                e.step == 1 and any(e.reward == float(r.rewards[m]) and torch.equal(e.states, r.states[m]) for m in top2))
+                e.step == 1 and any(
+                    e.reward == float(r.rewards[m]) and torch.equal(e.states, r.states[m]) for m in top2))
             assert e.reward < 1000.0
 
 
@@ -505,8 +507,8 @@ def test_bad_config_raises_naming_field(tmp_path, kwargs, field):
 
 
 def test_config_defaults(tmp_path):
-    # the replay-share change: the described form (a 25% share of the samples; only the late tail regenerated). Before it the
-    # defaults were k_off = K // 2 = 5 and a 25% share of the groups.
+    # the replay-share change: the described form (a 25% share of the samples; only the late tail regenerated). Before
+    # it the defaults were k_off = K // 2 = 5 and a 25% share of the groups.
     cfg = OPGRPOConfig(output_dir=str(tmp_path), num_inference_steps=10)
     assert cfg.resolved_truncation_step == 8 and cfg.off_policy_fraction == 0.25
     assert (cfg.replay_unit, cfg.truncation_fraction, cfg.truncation_step) == ("sample", 0.1, None)
@@ -577,7 +579,8 @@ def test_nan_rewards_keep_buffer_and_weights_finite(tmp_path):
         return [float("nan") if (p == "prompt 1" or j == 0) else v for j, (p, v) in enumerate(zip(prompts, out))]
 
     tr = make_trainer(tmp_path, reward=flaky, max_steps=4, num_generations=3, learning_rate=1e-2)
-    with warnings.catch_warnings():  # the buffer warns when it rejects a non-finite entry: the trainer must not offer one
+    # the buffer warns when it rejects a non-finite entry: the trainer must not offer one
+    with warnings.catch_warnings():
         warnings.filterwarnings("error", message="ReplayBuffer", category=RuntimeWarning)
         tr.train()
     logs = tr.state.log_history
@@ -605,7 +608,8 @@ def test_lora_init_is_a_function_of_config_seed(tmp_path):
     assert all(torch.equal(pa[n], pb[n]) for n in pa)
 
 
-# ------------------------------------------------------------------- the replay-share change: the described form by default
+# ------------------------------------------------------------------- the replay-share change: the described form by
+# default
 def defaults_run(tmp_path, G):
     """A 2-iteration run of OPGRPOConfig()'s defaults, only the sizes changed to fit the tiny pipeline."""
     cfg = OPGRPOConfig(output_dir=str(tmp_path), max_steps=2, num_generations=G, prompts_per_step=2, height=32,

@@ -86,7 +86,8 @@ def test_guidance_grad(make_trainer, mode):
     x, t = rollout.states[idx, k], rollout.schedule.timesteps[k]
     emb = {key: val[idx] for key, val in rollout.embeds.items()}
     cond = {"prompt_embeds": emb["prompt_embeds"], "pooled_prompt_embeds": emb["pooled_prompt_embeds"]}
-    uncond = {"prompt_embeds": emb["negative_prompt_embeds"], "pooled_prompt_embeds": emb["negative_pooled_prompt_embeds"]}
+    uncond = {"prompt_embeds": emb["negative_prompt_embeds"],
+              "pooled_prompt_embeds": emb["negative_pooled_prompt_embeds"]}
     ad, model = trainer.adapter, trainer.model
     trainer.model.train()
     guided = _lora_grads(trainer, lambda: ad.velocity(model, x, t, emb, w, detach_uncond=mode == "cond_only"))
@@ -100,7 +101,8 @@ def test_guidance_grad(make_trainer, mode):
     assert guided.keys() == by_hand.keys() and guided
     for name in guided:
         # batched (CFG) vs separate forwards differ by float rounding, amplified by the (1 - w) cancellation
-        torch.testing.assert_close(guided[name], by_hand[name], rtol=1e-3, atol=1e-3 * float(by_hand[name].abs().max()))
+        torch.testing.assert_close(guided[name], by_hand[name], rtol=1e-3,
+                                   atol=1e-3 * float(by_hand[name].abs().max()))
     # The forward value (hence every log-prob and ratio) does not depend on the option.
     out = trainer.forward_step(rollout, idx, k, need_ref=False)
     assert torch.equal(out.log_prob.detach(), rollout.log_probs[idx, k])

@@ -1,6 +1,7 @@
 """Prompt encoding (trl_flow.engine.prompt_encoding): each distinct prompt (and source image) of a sampling chunk is
 encoded once, and the samples' embeddings are bit for bit those of encoding every sample's prompt (the former path),
-so one iteration's loss and updated LoRA weights are unchanged; the text encoders see P rows an iteration, not P x G."""
+so one iteration's loss and updated LoRA weights are unchanged; the text encoders see P rows an iteration, not P x
+G."""
 
 from __future__ import annotations
 

@@ -28,7 +28,8 @@ CPU_RECIPES = sorted(n for n in RECIPES if _raw(n).get("model_name_or_path") == 
 def test_recipe_parses_into_its_config(name):
     raw = _raw(name)
     command = raw.get("trainer")
-    assert command in cli.commands(), f"{name}: a recipe names its command with `trainer: <{'|'.join(cli.commands())}>`"
+    assert command in cli.commands(), (f"{name}: a recipe names its command with "
+                                       f"`trainer: <{'|'.join(cli.commands())}>`")
     script, config, rest = cli.parse_args(command, ["--config", name])
     assert type(config) is cli.trainer_classes(command)[0] and rest == []
     fields = {f.name for f in dataclasses.fields(config)}

@@ -17,7 +17,7 @@ import time
 
 import pytest
 import torch
-from conftest import PROMPTS, brightness, tiny_config
+from conftest import brightness
 
 from trl_flow import storage
 from trl_flow.engine import checkpoints

@@ -175,7 +175,8 @@ def _filled(n=20, **kw):
 
 def test_uniform_sample_deterministic_distinct_and_exclude():
     buf = _filled()
-    pick = lambda seed, **kw: [e.prompt for e in buf.sample(8, now=20, generator=torch.Generator().manual_seed(seed), **kw)]
+    pick = lambda seed, **kw: [
+        e.prompt for e in buf.sample(8, now=20, generator=torch.Generator().manual_seed(seed), **kw)]
     a, b, c = pick(0), pick(0), pick(1)
     assert a == b and a != c
     assert len(a) == 8 and len(set(a)) == 8
@@ -313,7 +314,8 @@ def test_push_to_hub_calls_datasets_with_repo_id():
     assert isinstance(ds_arg, datasets.Dataset) and len(ds_arg) == 3
 
 
-# ------------------------------------------------------------------------- several entries per prompt (the replay-share change)
+# ------------------------------------------------------------------------- several entries per prompt (the
+# replay-share change)
 def test_per_prompt_keeps_the_best_distinct_trajectories_of_a_prompt():
     buf = ReplayBuffer(capacity=8, decay=0.0, per_prompt=3)
     for seed, reward in enumerate([1.0, 3.0, 2.0]):

@@ -43,7 +43,8 @@ def clip_dir(tmp_path_factory):
     torch.manual_seed(0)
     model = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16))
     processor = CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32},
-                                                                  crop_size={"height": 32, "width": 32}), tokenizer=tok)
+                                                                  crop_size={"height": 32, "width": 32}),
+                                                                  tokenizer=tok)
     d = tmp_path_factory.mktemp("clip")
     model.save_pretrained(d)
     processor.save_pretrained(d)

@@ -264,7 +264,8 @@ def test_a_served_editing_reward_receives_the_same_sources():
     recording.__name__ = "recording"
     sources = _quantised(torch.rand(7, 3, 16, 12, generator=torch.Generator().manual_seed(3)))
     local = edit_preservation()(_quantised(IMAGES), PROMPTS, source_image=sources)
-    with serve_app(build_app(recording)) as url, serve_app(build_app(brightness_plus, max_request_pixels=600)) as small:
+    with serve_app(build_app(recording)) as url, serve_app(
+        build_app(brightness_plus, max_request_pixels=600)) as small:
         got = RemoteReward(url, batch_size=3, columns=[])(IMAGES, PROMPTS, source_image=sources)
         assert np.allclose(got, local, atol=1e-6)
         assert [p for p, _ in received] == [PROMPTS[:3], PROMPTS[3:6], PROMPTS[6:]]

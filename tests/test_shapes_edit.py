@@ -137,8 +137,8 @@ def edit_base():
 
 
 def test_committed_base_loads_and_the_adapter_ode_equals_the_pipeline(edit_base):
-    """The committed FluxKontextPipeline: FluxKontextAdapter's `ode` rollout from the adapter's noise ends exactly where
-    pipe(image=..., prompt=..., output_type="latent") ends; decoded, it is the pipeline's image."""
+    """The committed FluxKontextPipeline: FluxKontextAdapter's `ode` rollout from the adapter's noise ends exactly
+    where pipe(image=..., prompt=..., output_type="latent") ends; decoded, it is the pipeline's image."""
     from trl_flow.models import get_adapter
     from trl_flow.models.flux_kontext import FluxKontextAdapter
     from trl_flow.rollout import sample_trajectories
@@ -277,7 +277,8 @@ def test_docs_quote_the_committed_editing_base():
 
     assert (f"train instructions {pair(info['evaluation'], 'train')}, held-out {pair(info['evaluation'], 'test')}"
             in text)
-    assert f"after the first run alone {pair(first['evaluation'], 'train')} and {pair(first['evaluation'], 'test')}" in text
+    assert (f"after the first run alone {pair(first['evaluation'], 'train')} and "
+            f"{pair(first['evaluation'], 'test')}") in text
     assert f"({first['steps']:,} steps" in text and f"continued for {info['steps']:,} steps" in text
 
 
@@ -329,7 +330,8 @@ def test_editing_tier_numbers_in_docs_are_the_committed_runs():
     _, short, _ = _tier6("shapes_edit_beta")
     assert [r["seed"] for r in runs] == [r["seed"] for r in short] == [0, 1, 2]
     assert all(r["config"]["beta"] == "0.04" and len(r["iterations"]) == 120 for r in runs)
-    for r, r60 in zip(runs, short):  # the harness is deterministic: the 120-iteration runs extend the 60-iteration ones
+    # the harness is deterministic: the 120-iteration runs extend the 60-iteration ones
+    for r, r60 in zip(runs, short):
         assert [scores(e) for e in r["evals"][: len(r60["evals"])]] == [scores(e) for e in r60["evals"]]
         assert [i["reward"] for i in r["iterations"][:60]] == [i["reward"] for i in r60["iterations"]]
     for row in rows:

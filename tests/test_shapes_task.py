@@ -240,7 +240,8 @@ def test_base_pipeline_loads_and_generates(base_pipe):
 
 def test_val_split_is_held_out_from_rl_training_and_disjoint_from_test():
     train = set(grammar.train_prompts()["prompt"])
-    rl, val, test = (set(d["prompt"]) for d in (grammar.rl_train_prompts(), grammar.val_prompts(), grammar.test_prompts()))
+    rl, val, test = (
+        set(d["prompt"]) for d in (grammar.rl_train_prompts(), grammar.val_prompts(), grammar.test_prompts()))
     assert rl | val == train and not rl & val and not val & test and not rl & test
     assert 0.1 < len(val) / len(train) < 0.3  # VAL_FRACTION = 0.2 of the train split, by md5 rank
     pos = grammar.rl_train_prompts(categories=("position",))
@@ -303,7 +304,8 @@ def test_relation_reward_weights_the_relation_half_and_keeps_the_shape_terms():
     # the shape terms stay in: the right relation between a wrong shape scores below the right one
     wrong_shape = [p.replace("circle", "CIRCLE").replace("square", "circle").replace("CIRCLE", "square") for p in pos]
     changed = [i for i, (a, b) in enumerate(zip(pos, wrong_shape)) if a != b]
-    assert changed and (np.array(shapes.shapes_relation_reward(images, wrong_shape))[changed] < rel_ok[changed] - 0.1).all()
+    assert changed and (
+        np.array(shapes.shapes_relation_reward(images, wrong_shape))[changed] < rel_ok[changed] - 0.1).all()
     # prompts without a relation: exactly the dense reward
     plain = [p for p, c in grammar.all_prompts() if c == "colors"][:6]
     im2 = render_batch(plain, rng=rng)
@@ -535,7 +537,8 @@ def test_pretraining_schedule_update_and_timed_loop(capsys):
     ema = [w.detach().clone(), v.detach().clone()]
     loss = pt.optimizer_step(opt, [w, v], ema, 0.9, (w ** 2).sum() + (v ** 2).sum())
     c = 2 / math.sqrt(5 * 2 ** 2)  # every gradient is 2, clipped to a total norm of 1
-    assert loss == 5.0 and torch.allclose(w, torch.full((3,), 1 - 0.05 * c)) and torch.allclose(v, torch.full((2,), 1 - 0.2 * c))
+    assert loss == 5.0 and torch.allclose(w, torch.full((3,), 1 - 0.05 * c)) and torch.allclose(v,
+        torch.full((2,), 1 - 0.2 * c))
     assert torch.allclose(ema[0], 0.9 + 0.1 * w.detach()) and torch.allclose(ema[1], 0.9 + 0.1 * v.detach())
     seen = []
     total, losses, _ = pt.run_steps(lambda s, t: seen.append((s, t)) or float(s), 5, 1.0, batch_size=1, threads=1,
@@ -559,8 +562,10 @@ def test_default_layout_mixes_prompts_in_every_microbatch_and_keeps_first_ratio_
     prompts = grammar.train_prompts()["prompt"][:16]
     logs = {}
     for layout in ("mixed", "by_prompt"):
-        cfg = FlowGRPOConfig(output_dir=str(tmp_path / layout), height=32, width=32, max_steps=2, num_inference_steps=4,
-                             max_sequence_length=model.MAX_SEQUENCE_LENGTH, guidance_scale=model.DEFAULT_GUIDANCE_SCALE,
+        cfg = FlowGRPOConfig(output_dir=str(tmp_path / layout), height=32, width=32, max_steps=2,
+                             num_inference_steps=4,
+                             max_sequence_length=model.MAX_SEQUENCE_LENGTH,
+                             guidance_scale=model.DEFAULT_GUIDANCE_SCALE,
                              batch_layout=layout, disable_tqdm=True)
         assert (cfg.prompts_per_step, cfg.num_generations, cfg.per_device_train_batch_size) == (4, 8, 8)
         trainer = FlowGRPOTrainer(cfg, model.load_base_pipeline(), [shapes.shapes_partial_reward],

@@ -44,7 +44,8 @@ def test_config_defaults_and_bad_values(tmp_path):
     import trl
 
     cfg = StepwiseFlowGRPOConfig(output_dir=str(tmp_path))
-    assert (cfg.sampler, cfg.same_noise_per_group, cfg.num_substeps, cfg.gain_normalization) == ("flow_sde", True, 2, "joint")
+    assert ((cfg.sampler, cfg.same_noise_per_group, cfg.num_substeps, cfg.gain_normalization)
+            == ("flow_sde", True, 2, "joint"))
     for field in dataclasses.fields(StepwiseFlowGRPOConfig):
         assert len(field.metadata.get("help", "")) > 10, field.name
     for bad, name in (({"num_substeps": 0}, "num_substeps"), ({"num_substeps": 2.5}, "num_substeps"),
@@ -226,7 +227,6 @@ def test_none_for_an_intermediate_estimate_is_left_out(tmp_path, fresh_pipe):
     before = [p.detach().clone() for p in trainer.trainable_params]
     trainer.train()
     ro = trainer.last_rollout
-    K = ro.schedule.num_steps
     r, g, adv, mask = ro.extras["step_rewards"], ro.extras["gains"], ro.advantages.cpu(), ro.train_mask.cpu()
     assert math.isnan(r[0, 2]) and math.isnan(r[5, 3]) and int(torch.isnan(r[:, 1:]).sum()) == 2
     assert not bool(mask[0, 1]) and not bool(mask[0, 2]) and not bool(mask[5, 2])  # the gains touching them

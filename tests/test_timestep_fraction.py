@@ -5,7 +5,6 @@ scripts/train_sd3.py lines 345 and 864); DiffusionNFT draws that many training t
 from __future__ import annotations
 
 import pytest
-import torch
 
 import trl_flow
 from conftest import PROMPTS, brightness, tiny_config

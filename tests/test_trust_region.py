@@ -44,7 +44,8 @@ def test_mask_truth_table_loss_and_gradient(mode, blocked):
     for i, case in enumerate(CASES):
         rho = math.exp(LOG_RATIOS[case[1]])
         if case in blocked:
-            assert float(loss[i].detach()) == 0.0 and float(log_prob.grad[i]) == 0.0 and stats["mask_frac"][i] == 1.0, case
+            assert (float(loss[i].detach()) == 0.0 and float(log_prob.grad[i]) == 0.0
+                    and stats["mask_frac"][i] == 1.0), case
         else:
             assert float(loss[i].detach()) == pytest.approx(-ADVS[case[0]] * rho, rel=1e-6), case
             assert float(log_prob.grad[i]) == pytest.approx(-ADVS[case[0]] * rho, rel=1e-6), case  # d/dlogp of -A rho
@@ -52,7 +53,8 @@ def test_mask_truth_table_loss_and_gradient(mode, blocked):
     # per-sign fractions: NaN outside their sign ("not part of this statistic")
     pos, neg = stats["mask_frac_pos_adv"], stats["mask_frac_neg_adv"]
     assert torch.isnan(pos[adv <= 0]).all() and torch.isnan(neg[adv >= 0]).all()
-    assert torch.equal(pos[adv > 0], stats["mask_frac"][adv > 0]) and torch.equal(neg[adv < 0], stats["mask_frac"][adv < 0])
+    assert torch.equal(pos[adv > 0], stats["mask_frac"][adv > 0]) and torch.equal(neg[adv < 0],
+        stats["mask_frac"][adv < 0])
     torch.testing.assert_close(stats["ratio"], torch.exp(log_ratio), rtol=1e-6, atol=0)
     assert torch.equal(stats["kl_old"], kl)
 

@@ -68,17 +68,34 @@ class ScriptArguments:
     """What the command needs besides the trainer config: model, prompts, rewards, launch. Names follow TRL's
     ``ScriptArguments`` / ``ModelConfig`` (``dataset_name``, ``dataset_train_split``, ``model_name_or_path``, ...)."""
 
-    model_name_or_path: str = field(default=DEFAULT_MODEL, metadata={"help": "Hub id or folder of a diffusers pipeline trl_flow supports (SD3/3.5, ...), or `shapes` for the committed tiny shapes base model."})
-    dtype: str = field(default="auto", metadata={"help": "dtype the pipeline is loaded in: auto (bfloat16 with --bf16, float16 with --fp16, else float32), float32, bfloat16 or float16."})
-    dataset_name: str | None = field(default=None, metadata={"help": "Training prompts: a .txt (one prompt per line), a .jsonl with a `prompt` key, a Hub dataset or a local dataset folder, or `shapes` (the shapes task)."})
-    dataset_config: str | None = field(default=None, metadata={"help": "Configuration name of a Hub dataset (the `name` argument of `datasets.load_dataset`)."})
+    model_name_or_path: str = field(default=DEFAULT_MODEL, metadata={"help": "Hub id or folder of a diffusers "
+        "pipeline trl_flow supports (SD3/3.5, ...), or `shapes` for the committed tiny shapes base model."})
+    dtype: str = field(default="auto", metadata={"help": "dtype the pipeline is loaded in: auto (bfloat16 with "
+        "--bf16, float16 with --fp16, else float32), float32, bfloat16 or float16."})
+    dataset_name: str | None = field(default=None, metadata={"help": "Training prompts: a .txt (one prompt per line), "
+        "a .jsonl with a `prompt` key, a Hub dataset or a local dataset folder, or `shapes` (the shapes task)."})
+    dataset_config: str | None = field(default=None, metadata={"help": "Configuration name of a Hub dataset (the "
+        "`name` argument of `datasets.load_dataset`)."})
     dataset_train_split: str = field(default="train", metadata={"help": "Split of `dataset_name` to train on."})
-    dataset_test_split: str = field(default="test", metadata={"help": "Split used for evaluation: of `eval_dataset` if given, else of `dataset_name` (when `eval_steps` > 0)."})
-    eval_dataset: str | None = field(default=None, metadata={"help": "Evaluation prompts, in any format of `dataset_name`; its `dataset_test_split` split is loaded."})
-    reward_funcs: list[str] | None = field(default=None, metadata={"help": "Rewards: names exported by `trl_flow.rewards` (e.g. jpeg_incompressibility), shapes_partial / shapes_strict, `module:callable` (a class is instantiated without arguments), or the http(s) URL of a `trl-flow reward-server`, with its client options in the query string: `http://host:8001?timeout=30&max_retries=5&backoff=2&batch_size=8&name=geneval` (seconds per request, default 120; further attempts, 3; seconds before the first retry, doubled each time, 1; images per request, 16; logged name, remote)."})
-    accelerate_config: str | None = field(default=None, metadata={"help": "Run under `accelerate launch` with this config: a name shipped in trl_flow/accelerate_configs (single_gpu, multi_gpu, multi_node, fsdp2, zero2, zero3) or a file. Other `accelerate launch` options are passed on."})
-    trainer: str | None = field(default=None, metadata={"help": "The subcommand a recipe is written for (grpo, op-grpo, stepwise, dppo, nft); running a recipe with another subcommand is an error."})
-    num_threads: int | None = field(default=None, metadata={"help": "torch CPU threads per process (torch.set_num_threads). Default: OMP_NUM_THREADS if set, else 1; 0 = torch's own default (one per core), which is faster only on an idle machine with large CPU ops: with other processes busy, spinning threads made a 2-iteration shapes run 3-7x slower."})
+    dataset_test_split: str = field(default="test", metadata={"help": "Split used for evaluation: of `eval_dataset` "
+        "if given, else of `dataset_name` (when `eval_steps` > 0)."})
+    eval_dataset: str | None = field(default=None, metadata={"help": "Evaluation prompts, in any format of "
+        "`dataset_name`; its `dataset_test_split` split is loaded."})
+    reward_funcs: list[str] | None = field(default=None, metadata={"help": "Rewards: names exported by "
+        "`trl_flow.rewards` (e.g. jpeg_incompressibility), shapes_partial / shapes_strict, `module:callable` (a class "
+        "is instantiated without arguments), or the http(s) URL of a `trl-flow reward-server`, with its client "
+        "options in the query string: `http://host:8001?timeout=30&max_retries=5&backoff=2&batch_size=8&name=geneval` "
+        "(seconds per request, default 120; further attempts, 3; seconds before the first retry, doubled each time, "
+        "1; images per request, 16; logged name, remote)."})
+    accelerate_config: str | None = field(default=None, metadata={"help": "Run under `accelerate launch` with this "
+        "config: a name shipped in trl_flow/accelerate_configs (single_gpu, multi_gpu, multi_node, fsdp2, zero2, "
+        "zero3) or a file. Other `accelerate launch` options are passed on."})
+    trainer: str | None = field(default=None, metadata={"help": "The subcommand a recipe is written for (grpo, "
+        "op-grpo, stepwise, dppo, nft); running a recipe with another subcommand is an error."})
+    num_threads: int | None = field(default=None, metadata={"help": "torch CPU threads per process "
+        "(torch.set_num_threads). Default: OMP_NUM_THREADS if set, else 1; 0 = torch's own default (one per core), "
+        "which is faster only on an idle machine with large CPU ops: with other processes busy, spinning threads made "
+        "a 2-iteration shapes run 3-7x slower."})
 
     def __post_init__(self):
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -672,7 +689,8 @@ def _rendezvous_error(args, config_file: str, error: Exception) -> str:
     from accelerate.commands.config.config_args import load_config_from_file
 
     config = load_config_from_file(config_file)
-    pick = lambda name: getattr(args, name, None) if getattr(args, name, None) is not None else getattr(config, name, None)  # noqa: E731
+    pick = lambda name: (  # noqa: E731
+        getattr(args, name, None) if getattr(args, name, None) is not None else getattr(config, name, None))
     conf = dict(kv.split("=", 1) for kv in (args.rdzv_conf or "").split(",") if "=" in kv)
     machines, rank = pick("num_machines"), pick("machine_rank")
     where = f"{pick('main_process_ip')}:{pick('main_process_port')}"

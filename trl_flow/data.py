@@ -72,10 +72,10 @@ def load_prompts(source: str, split: str = "train", name: str | None = None, sou
     - a ``.jsonl`` file: one JSON object per line with a string ``prompt``; every other key becomes a column
       (a missing key is ``None``). A key holding only lists / dicts (GenEval's ``include``) becomes a column of
       their JSON text, ``json.loads`` of a value gives back what was written (``load_dataset("json")`` would merge
-      the nested records into one schema, adding ``None`` keys); other keys keep their type. An editing file gives each prompt's source image as a
-      path under ``source_column`` (default ``source_image``), e.g. ``{"prompt": "make the sky red",
-      "source_image": "images/0.png"}``: a relative path is resolved against the file's folder (the trainer checks
-      and decodes the images, :mod:`trl_flow.editing`);
+      the nested records into one schema, adding ``None`` keys); other keys keep their type. An editing file gives
+      each prompt's source image as a path under ``source_column`` (default ``source_image``), e.g. ``{"prompt": "make
+      the sky red", "source_image": "images/0.png"}``: a relative path is resolved against the file's folder (the
+      trainer checks and decodes the images, :mod:`trl_flow.editing`);
     - a folder written by ``save_to_disk``: a ``Dataset``, or the ``split`` of a ``DatasetDict``;
     - anything else: ``datasets.load_dataset(source, name, split=split)`` (a Hub dataset or a local folder).
 
@@ -164,7 +164,8 @@ def _read_jsonl(source: str) -> dict:
         prompt = row["prompt"]
         if not isinstance(prompt, str):
             raise ValueError(f"{source}: line {n}: `prompt` is {_kind(prompt)} ({json.dumps(prompt)[:80]}); each "
-                             'prompt must be one string, e.g. "prompt": "a cat" (other information goes in other keys)')
+                             'prompt must be one string, e.g. "prompt": "a cat" (other information goes in other '
+                             'keys)')
         if not prompt.strip():
             raise ValueError(f"{source}: line {n}: `prompt` is empty; drop the line or write the prompt")
         rows.append(row)

@@ -8,7 +8,8 @@ the exact KL between two policies are closed-form.
 =============  ====================================  ===============================================
 sampler        std                                   mean
 =============  ====================================  ===============================================
-``flow_sde``   ``a sqrt(s / (1 - s)) sqrt(-dt)``      ``x (1 + a^2 s/(1-s) dt / (2s)) + v (1 + a^2 (1-s)/(2s) s/(1-s)) dt``
+``flow_sde``   ``a sqrt(s / (1 - s)) sqrt(-dt)``      ``x (1 + a^2 s/(1-s) dt / (2s)) + v (1 + a^2 (1-s)/(2s) s/(1-s))
+dt``
 ``cps``        ``s' sin(a pi / 2)``                  ``(1 - s') x0hat + sqrt(s'^2 - std^2) x1hat``
 ``ddim``       ``eta s' sqrt(1 - s)``                same as ``cps``
 ``ode``        ``0``                                 ``x + v dt`` (the diffusers Euler step)

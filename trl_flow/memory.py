@@ -27,7 +27,8 @@ def quantization_method(module) -> str | None:
     config = getattr(quantizer, "quantization_config", None) or getattr(module, "quantization_config", None)
     if config is None:
         mcfg = getattr(module, "config", None)
-        config = mcfg.get("quantization_config") if isinstance(mcfg, dict) else getattr(mcfg, "quantization_config", None)
+        config = (mcfg.get("quantization_config") if isinstance(mcfg, dict)
+                  else getattr(mcfg, "quantization_config", None))
     if config is None and not getattr(module, "is_quantized", False) and quantizer is None:
         return None
     method = config.get("quant_method") if isinstance(config, dict) else getattr(config, "quant_method", None)

@@ -528,9 +528,9 @@ class ReplayBuffer:
         version = meta.get("version", 1) if meta is not None else None
         if version == 1 and kwargs.get("per_prompt", 1) != 1:
             warnings.warn(
-                f"ReplayBuffer.from_dataset: converting a format-1 replay buffer (one entry per prompt, written before "
-                f"several entries per prompt existed) to per_prompt={kwargs['per_prompt']}: its entries are kept, and "
-                "each prompt may now hold up to that many distinct trajectories",
+                f"ReplayBuffer.from_dataset: converting a format-1 replay buffer (one entry per prompt, written "
+                f"before several entries per prompt existed) to per_prompt={kwargs['per_prompt']}: its entries are "
+                "kept, and each prompt may now hold up to that many distinct trajectories",
                 UserWarning,
                 stacklevel=2,
             )

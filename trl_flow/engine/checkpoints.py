@@ -423,7 +423,8 @@ def _ema_load(ema, params_named: list[str], path: str, decay: float) -> None:
     missing = [n for n in params_named if n not in tensors]
     if missing:
         raise ValueError(f"checkpoint {path}: {EMA_WEIGHTS_NAME} lacks {missing[:3]}")
-    sd["shadow_params"] = [distributed.like(tensors[n], p) for n, p in zip(params_named, ema.shadow_params)]  # sharded like the weights
+    # sharded like the weights
+    sd["shadow_params"] = [distributed.like(tensors[n], p) for n, p in zip(params_named, ema.shadow_params)]
     ema.load_state_dict(sd)
     ema.decay = decay  # the current config's decay (a change is reported by compare_configs)
 
@@ -472,7 +473,8 @@ def save_checkpoint(trainer) -> str:
         if acc.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)  # frees the space the partial save took
         acc.wait_for_everyone()
-        complete = [c for c in find_checkpoints(cfg.output_dir)[0] if os.path.basename(c.path) != os.path.basename(final)]
+        complete = [c for c in find_checkpoints(cfg.output_dir)[0]
+                    if os.path.basename(c.path) != os.path.basename(final)]
         previous = (f"the previous checkpoint, {complete[-1].path}, is intact (resume_from_checkpoint=True continues "
                     "from it once the disk has room)" if complete else "no earlier checkpoint exists")
         raise SaveError(f"checkpoint-{state.global_step}: writing it into {cfg.output_dir} failed: {error}; its "
@@ -527,7 +529,8 @@ def load_checkpoint(trainer, resume) -> CheckpointInfo:
     trainer.check_saved_config(saved_cfg, os.path.join(info.path, CONFIG_NAME))
     kinds = resume_kinds(type(cfg), strict=False)
     notices = compare_configs(saved_cfg, flat_config(cfg), kinds)
-    distributed.check_resume(trainer, info.path, read_json(os.path.join(info.path, COMPLETE_NAME)).get("num_processes"))
+    distributed.check_resume(trainer, info.path,
+                             read_json(os.path.join(info.path, COMPLETE_NAME)).get("num_processes"))
     try:
         acc.load_state(info.path)
     except Exception as e:

@@ -81,7 +81,8 @@ def make_accelerator(config, find_unused_parameters: bool = False):
     timeout = timedelta(seconds=config.ddp_timeout)
     acc = Accelerator(mixed_precision=mp, log_with=config.report_to or None, project_dir=config.output_dir,
                       kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)]
-                      + ([DistributedDataParallelKwargs(find_unused_parameters=True)] if find_unused_parameters else []))
+                      + ([DistributedDataParallelKwargs(find_unused_parameters=True)]
+                         if find_unused_parameters else []))
     _apply_timeout(timeout)
     register_exit_hook()  # a script of one's own needs no end_training() to exit cleanly
     got = acc.distributed_type
@@ -182,9 +183,9 @@ def mismatch(want: str | None, got: str, num_processes: int, world: int) -> str 
         # DeepSpeed without a GPU: DeepSpeed forms the process group (gloo, its CPU accelerator), but accelerate
         # finds no device backend and counts 1 process per copy; DeepSpeed then rejects the batch arithmetic.
         return (f"the launch config asks for {want}: accelerate set up DistributedType.{got} but counts "
-                f"{num_processes} of the launcher's {world} processes (it found no GPU, so it did not join the process "
-                f"group {want} formed). Fix: run {want} on GPUs; on CPU use --accelerate_config fsdp2 (FSDP2 shards "
-                "over CPU processes, with ACCELERATE_USE_CPU=true) or multi_gpu (DDP)")
+                f"{num_processes} of the launcher's {world} processes (it found no GPU, so it did not join the "
+                f"process group {want} formed). Fix: run {want} on GPUs; on CPU use --accelerate_config fsdp2 (FSDP2 "
+                "shards over CPU processes, with ACCELERATE_USE_CPU=true) or multi_gpu (DDP)")
     return None
 
 

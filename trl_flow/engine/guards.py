@@ -175,7 +175,7 @@ class NoRewardMonitor:
             self.skipped += 1
             if self.streak % NO_REWARD_WARN_AFTER == 0:
                 warnings.warn(
-                    f"iteration {step + 1}: no sample got a reward for {self.streak} iterations in a row (every reward "
-                    "returned None, NaN or inf), so nothing was trained. Check the reward functions.",
+                    f"iteration {step + 1}: no sample got a reward for {self.streak} iterations in a row (every "
+                    "reward returned None, NaN or inf), so nothing was trained. Check the reward functions.",
                     RuntimeWarning, stacklevel=3)
         metrics["skipped_no_reward"] = float(self.skipped)

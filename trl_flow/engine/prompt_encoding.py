@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 
-import torch
 
 from .. import editing
 from ..models import cat_embeds

@@ -145,7 +145,8 @@ def check_component_backends(index: dict, source: str = "the pipeline") -> None:
     import transformers
 
     for name, value in index.items():
-        if name.startswith("_") or not isinstance(value, (list, tuple)) or len(value) != 2 or value[0] != "transformers":
+        if (name.startswith("_") or not isinstance(value, (list, tuple)) or len(value) != 2
+                or value[0] != "transformers"):
             continue
         cls = getattr(transformers, str(value[1]), None)
         missing = [str(b) for b in getattr(cls, "_backends", ())] if type(cls).__name__ == "DummyObject" else []
@@ -179,5 +180,6 @@ def _dtype_keyword() -> str:
     return "dtype" if re.search(r"^\s*dtype \(", doc, flags=re.M) else "torch_dtype"
 
 
-__all__ = ["load_pipeline", "register_adapter", "registered_adapters", "FlowAdapter", "FluxAdapter", "PromptEmbeds", "Schedule", "SD3Adapter", "WanAdapter",
+__all__ = ["load_pipeline", "register_adapter", "registered_adapters", "FlowAdapter", "FluxAdapter", "PromptEmbeds",
+           "Schedule", "SD3Adapter", "WanAdapter",
            "get_adapter", "cat_embeds", "index_embeds"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 
 import numpy as np
 import torch
@@ -48,7 +47,8 @@ class QwenImageAdapter(FlowAdapter):
             raise ValueError("pipe: the QwenImagePipeline has no transformer")
         if pipe.transformer.config.get("guidance_embeds", False):
             raise ValueError("pipe: a guidance-distilled Qwen-Image transformer (guidance_embeds=True) is not "
-                             "supported; Qwen-Image uses true CFG (guidance_scale here = the pipeline's true_cfg_scale)")
+                             "supported; Qwen-Image uses true CFG (guidance_scale here = the pipeline's "
+                             "true_cfg_scale)")
         if not isinstance(pipe.scheduler, FlowMatchEulerDiscreteScheduler):
             raise ValueError(f"pipe.scheduler: {type(pipe.scheduler).__name__}; the rollout needs the "
                              "FlowMatchEulerDiscreteScheduler Qwen-Image ships with")
@@ -81,7 +81,8 @@ class QwenImageAdapter(FlowAdapter):
             raise ValueError(
                 f"height={height}, width={width}: {rows} x {cols} image tokens; Qwen-Image's rotary embedding has "
                 f"{ROPE_POSITIONS} positions for max(rows, cols) / 2 = {first_text} plus max_sequence_length="
-                f"{self.max_sequence_length} text tokens: pass a smaller size (the model card's 1:1 size is 1328 x 1328)")
+                f"{self.max_sequence_length} text tokens: pass a smaller size (the model card's 1:1 size is 1328 x "
+                f"1328)")
 
     def latent_shape(self, height, width):
         s = self.pipe.vae_scale_factor

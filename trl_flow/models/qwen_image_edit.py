@@ -56,8 +56,8 @@ class QwenImageEditAdapter(SourceImageMixin, QwenImageAdapter):
                  source_column: str = "source_image", output_size: tuple[int, int] | None = None):
         super().__init__(pipe, negative_prompt=negative_prompt)
         if getattr(pipe, "processor", None) is None:
-            raise ValueError(f"pipe: the {type(pipe).__name__} has no processor (Qwen2VLProcessor); the source image's "
-                             "vision tokens need it")
+            raise ValueError(f"pipe: the {type(pipe).__name__} has no processor (Qwen2VLProcessor); the source "
+                             "image's vision tokens need it")
         self._init_source(source_size, source_column, output_size)
 
     @property

@@ -116,7 +116,8 @@ class WanAdapter(FlowAdapter):
     def configure(self, config) -> None:
         self.num_frames = _check_num_frames(config.num_frames, self.pipe.vae_scale_factor_temporal)
         gs2 = getattr(config, "guidance_scale_2", None)
-        self.guidance_scale_2 = _check_guidance_scale_2(gs2, self.two_experts) if gs2 is not None else self.guidance_scale_2
+        self.guidance_scale_2 = (_check_guidance_scale_2(gs2, self.two_experts) if gs2 is not None
+                                 else self.guidance_scale_2)
         experts = getattr(config, "experts", "all")
         if self._experts_option is not None and experts not in ("all", self._experts_option):
             raise ValueError(f"experts={experts!r} in the config, but the WanAdapter was built with "

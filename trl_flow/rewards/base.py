@@ -150,7 +150,8 @@ class RewardModel:
         if images.ndim == 5:  # video: score every frame, average per sample over the frames that got a score
             b, f = images.shape[:2]
             frames = images.reshape(b * f, *images.shape[2:])
-            rep = {k: vals.repeat_interleave(f, 0) if isinstance(vals, torch.Tensor) else [v for v in vals for _ in range(f)]
+            rep = {k: vals.repeat_interleave(f, 0) if isinstance(vals, torch.Tensor)
+                   else [v for v in vals for _ in range(f)]
                    for k, vals in columns.items()}
             scores = self._score_all(components, frames, [p for p in prompts for _ in range(f)], rep)
             out = []

@@ -41,7 +41,8 @@ def validate_reward_funcs(reward_funcs, reward_weights) -> tuple[list[RewardFunc
         raise ValueError("reward_funcs: pass a callable or a non-empty list of callables")
     for i, f in enumerate(reward_funcs):
         if not callable(f):
-            raise TypeError(f"reward_funcs[{i}]: {f!r} is not callable; a reward is reward(images, prompts, **columns)")
+            raise TypeError(
+                f"reward_funcs[{i}]: {f!r} is not callable; a reward is reward(images, prompts, **columns)")
     names = [reward_name(f) for f in reward_funcs]
     seen = {}
     for i, n in enumerate(names):  # make names unique for logging

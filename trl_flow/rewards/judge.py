@@ -50,7 +50,8 @@ class ScoreParser:
 
     The number after ``label`` (case-insensitive, e.g. ``Score: 7`` or ``Final Score = 4.5``, the last such
     occurrence), else the last number of the text once denominators ("/10", "out of 10") are dropped. Numbers
-    outside ``[low, high]`` and answers without a number give None. ``output="unit"`` maps ``[low, high]`` to ``[0, 1]``, ``"raw"`` returns the number.
+    outside ``[low, high]`` and answers without a number give None. ``output="unit"`` maps ``[low, high]`` to ``[0,
+    1]``, ``"raw"`` returns the number.
     """
 
     def __init__(self, low: float = 0.0, high: float = 10.0, label: str | None = "score", output: str = "unit"):

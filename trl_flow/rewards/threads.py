@@ -57,10 +57,10 @@ class DaemonPool:
     """A fixed pool of ``num_workers`` daemon threads with the ``submit`` / ``map`` / ``shutdown`` of an executor.
 
     :meth:`shutdown` cancels the queued calls, waits for the idle workers to end (at once: they run nothing) and
-    at most ``grace`` seconds for a running call, which is then left to finish (or hang) in the background. A worker marks itself idle
-    before it publishes a result, so a worker whose result was seen is never left behind (a daemon thread that
-    wakes up while the interpreter shuts down can abort the process). Used as a context manager, it shuts down
-    on exit."""
+    at most ``grace`` seconds for a running call, which is then left to finish (or hang) in the background. A worker
+    marks itself idle before it publishes a result, so a worker whose result was seen is never left behind (a daemon
+    thread that wakes up while the interpreter shuts down can abort the process). Used as a context manager, it shuts
+    down on exit."""
 
     def __init__(self, num_workers: int, name: str = "trl_flow-reward"):
         if not isinstance(num_workers, int) or num_workers < 1:

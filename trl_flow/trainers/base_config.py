@@ -273,7 +273,8 @@ class FlowRLConfig(metaclass=AcceptsTrlNames):  # TRL's GRPOConfig names (epsilo
 
         for name in ("max_steps", "num_generations", "prompts_per_step", "per_device_train_batch_size",
                      "gradient_accumulation_steps", "num_inner_epochs", "num_inference_steps",
-                     "eval_num_inference_steps", "per_device_eval_batch_size", "height", "width", "num_frames", "lora_r",
+                     "eval_num_inference_steps", "per_device_eval_batch_size", "height", "width", "num_frames",
+                     "lora_r",
                      "logging_steps", "max_sequence_length"):
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "must be an integer >= 1")
         for name in ("eval_steps", "save_steps", "log_images_steps", "warmup_steps", "sde_window_size"):
@@ -295,19 +296,23 @@ class FlowRLConfig(metaclass=AcceptsTrlNames):  # TRL's GRPOConfig names (epsilo
              f"{self.timestep_fraction}) = 0 trains no timestep; raise it or num_inference_steps")
         need(self.finetune in ("lora", "full"), "finetune", "must be `lora` or `full`")
         need(self.optim in ("adamw_torch", "adamw_8bit"), "optim", "must be `adamw_torch` or `adamw_8bit`")
-        need(math.isfinite(self.noise_level) and self.noise_level > 0, "noise_level", "must be > 0 (0 makes every step deterministic: nothing to train)")
+        need(math.isfinite(self.noise_level) and self.noise_level > 0, "noise_level",
+             "must be > 0 (0 makes every step deterministic: nothing to train)")
         if self.sampler in ("cps", "ddim"):
             need(self.noise_level <= 1, "noise_level", f"must be in (0, 1] for sampler={self.sampler!r}")
         for name in ("learning_rate",):
             need(math.isfinite(getattr(self, name)) and getattr(self, name) > 0, name, "must be a positive number")
         for name in ("beta", "weight_decay", "max_grad_norm", "adv_clip_max", "lora_dropout"):
             need(math.isfinite(getattr(self, name)) and getattr(self, name) >= 0, name, "must be a finite number >= 0")
-        need(isinstance(self.reward_num_workers, int) and self.reward_num_workers >= 0, "reward_num_workers", "must be an integer >= 0 (0: score after sampling)")
+        need(isinstance(self.reward_num_workers, int) and self.reward_num_workers >= 0, "reward_num_workers",
+             "must be an integer >= 0 (0: score after sampling)")
         need(self.reward_timeout is None or isinstance(self.reward_timeout, (int, float))
              and not isinstance(self.reward_timeout, bool) and math.isfinite(self.reward_timeout)
-             and self.reward_timeout >= 0, "reward_timeout", "must be a finite number of seconds >= 0 (0 or None: no limit)")
+             and self.reward_timeout >= 0, "reward_timeout",
+             "must be a finite number of seconds >= 0 (0 or None: no limit)")
         need(isinstance(self.ddp_timeout, (int, float)) and not isinstance(self.ddp_timeout, bool)
-             and math.isfinite(self.ddp_timeout) and self.ddp_timeout > 0, "ddp_timeout", "must be a finite number of seconds > 0")
+             and math.isfinite(self.ddp_timeout) and self.ddp_timeout > 0, "ddp_timeout",
+             "must be a finite number of seconds > 0")
         need(not self.reward_timeout or self.ddp_timeout > self.reward_timeout, "ddp_timeout",
              f"must be > reward_timeout={self.reward_timeout!r}: the other processes wait in a collective while one "
              "process's reward call runs, so they would time out before that call does; raise ddp_timeout or lower "
@@ -325,15 +330,18 @@ class FlowRLConfig(metaclass=AcceptsTrlNames):  # TRL's GRPOConfig names (epsilo
         need(self.source_image_size in SOURCE_IMAGE_SIZES, "source_image_size", f"must be one of {SOURCE_IMAGE_SIZES}")
         need(self.guidance_scale_2 is None or isinstance(self.guidance_scale_2, (int, float))
              and not isinstance(self.guidance_scale_2, bool) and math.isfinite(self.guidance_scale_2)
-             and self.guidance_scale_2 >= 0, "guidance_scale_2", "must be a finite number >= 0, or None (= guidance_scale)")
+             and self.guidance_scale_2 >= 0, "guidance_scale_2",
+             "must be a finite number >= 0, or None (= guidance_scale)")
         need(self.lr_scheduler_type in LR_SCHEDULERS, "lr_scheduler_type", f"must be one of {LR_SCHEDULERS}")
         need(self.offload in OFFLOAD_MODES, "offload", f"must be one of {OFFLOAD_MODES}")
         need(self.per_device_reward_batch_size is None or isinstance(self.per_device_reward_batch_size, int)
-             and self.per_device_reward_batch_size >= 1, "per_device_reward_batch_size", "must be an integer >= 1 or None")
+             and self.per_device_reward_batch_size >= 1, "per_device_reward_batch_size",
+             "must be an integer >= 1 or None")
         need(0 <= self.ema_decay < 1, "ema_decay", "must be in [0, 1) (0 disables EMA)")
         need(not (self.bf16 and self.fp16), "bf16", "bf16 and fp16 cannot both be set")
         if self.sde_window_size:
-            need(self.sde_window_size < self.num_inference_steps, "sde_window_size", f"must be < num_inference_steps={self.num_inference_steps}")
+            need(self.sde_window_size < self.num_inference_steps, "sde_window_size",
+                 f"must be < num_inference_steps={self.num_inference_steps}")
             rng = self.sde_window_range if self.sde_window_range is not None else max(1, self.num_inference_steps // 2)
             if self.sde_steps_mode == "random":
                 need(self.sde_window_size <= rng <= self.num_inference_steps - 1, "sde_window_range",
@@ -341,9 +349,11 @@ class FlowRLConfig(metaclass=AcceptsTrlNames):  # TRL's GRPOConfig names (epsilo
                      f"must hold them and end before the last step ({self.num_inference_steps - 1})")
             else:
                 need(rng >= 1 and rng + self.sde_window_size - 1 <= self.num_inference_steps - 1, "sde_window_range",
-                     f"window starts in [0, {rng}) plus size {self.sde_window_size} must end before the last step ({self.num_inference_steps - 1})")
+                     f"window starts in [0, {rng}) plus size {self.sde_window_size} must end before the last step "
+                     f"({self.num_inference_steps - 1})")
         if self.reward_weights is not None:
-            need(all(math.isfinite(float(w)) for w in self.reward_weights), "reward_weights", "weights must be finite numbers")
+            need(all(math.isfinite(float(w)) for w in self.reward_weights), "reward_weights",
+                 "weights must be finite numbers")
         if isinstance(self.model_init_kwargs, str):  # the command line's JSON string
             import json
 

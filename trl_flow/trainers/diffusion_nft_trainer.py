@@ -89,7 +89,8 @@ class DiffusionNFTTrainer(FlowRLTrainer):
     from trl_flow.rewards import jpeg_incompressibility
     from trl_flow.testing import tiny_sd3_pipeline
 
-    pipe = tiny_sd3_pipeline()  # or StableDiffusion3Pipeline.from_pretrained("stabilityai/stable-diffusion-3.5-medium")
+    # or StableDiffusion3Pipeline.from_pretrained("stabilityai/stable-diffusion-3.5-medium")
+    pipe = tiny_sd3_pipeline()
     config = DiffusionNFTConfig(output_dir="out", max_steps=2, num_generations=4, prompts_per_step=2,
                                 height=32, width=32, num_inference_steps=4, per_device_train_batch_size=4,
                                 max_sequence_length=16)
@@ -104,7 +105,8 @@ class DiffusionNFTTrainer(FlowRLTrainer):
        without CFG. Only the final latents ``x0`` (N, *L) are kept (``rollout_store = "final"``), with the prompt
        embeddings and the schedule.
     2. Rewards and group advantages ``A`` as Flow-GRPO's (group mean, batch std by default), clipped to
-       ``+-adv_clip_max``; the optimality probability ``r = A / adv_clip_max / 2 + 0.5`` (:func:`optimality_probability`).
+       ``+-adv_clip_max``; the optimality probability ``r = A / adv_clip_max / 2 + 0.5``
+       (:func:`optimality_probability`).
     3. Update on the **forward process**: each sample trains at T = int(K timestep_fraction) of the schedule's
        timesteps (a random permutation per sample, or UniRL's one t per microbatch pass: ``timestep_sampling``),
        at ``xt = (1 - t) x0 + t eps`` with fresh noise. At each point the old (no grad), current and (``beta > 0``)

@@ -63,4 +63,5 @@ class FlowDPPOConfig(FlowGRPOConfig):
         super().__post_init__()
         if self.trust_region != "kl_mask":
             raise ValueError(f"{type(self).__name__}.trust_region={self.trust_region!r}: Flow-DPPO is defined by "
-                             "`kl_mask`; for the ratio clip use FlowGRPOConfig (same num_inner_epochs for the same reuse)")
+                             "`kl_mask`; for the ratio clip use FlowGRPOConfig (same num_inner_epochs for the same "
+                             "reuse)")

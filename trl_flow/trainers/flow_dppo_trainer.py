@@ -15,7 +15,8 @@ class FlowDPPOTrainer(FlowGRPOTrainer):
     from trl_flow.rewards import jpeg_incompressibility
     from trl_flow.testing import tiny_sd3_pipeline
 
-    pipe = tiny_sd3_pipeline()  # or StableDiffusion3Pipeline.from_pretrained("stabilityai/stable-diffusion-3.5-medium")
+    # or StableDiffusion3Pipeline.from_pretrained("stabilityai/stable-diffusion-3.5-medium")
+    pipe = tiny_sd3_pipeline()
     config = FlowDPPOConfig(output_dir="out", max_steps=2, num_generations=4, prompts_per_step=2, sampler="cps",
                             height=32, width=32, num_inference_steps=4, per_device_train_batch_size=4,
                             max_sequence_length=16)

@@ -19,7 +19,8 @@ class FlowGRPOTrainer(PolicyGradientTrainer):
     from trl_flow.rewards import jpeg_incompressibility
     from trl_flow.testing import tiny_sd3_pipeline
 
-    pipe = tiny_sd3_pipeline()  # or StableDiffusion3Pipeline.from_pretrained("stabilityai/stable-diffusion-3.5-medium")
+    # or StableDiffusion3Pipeline.from_pretrained("stabilityai/stable-diffusion-3.5-medium")
+    pipe = tiny_sd3_pipeline()
     config = FlowGRPOConfig(output_dir="out", max_steps=2, num_generations=4, prompts_per_step=2,
                             height=32, width=32, num_inference_steps=4, per_device_train_batch_size=4)
     trainer = FlowGRPOTrainer(config, pipe, [jpeg_incompressibility],
@@ -56,7 +57,8 @@ class FlowGRPOTrainer(PolicyGradientTrainer):
 
     def compute_loss(self, rollout, idx, k, out):
         cfg = self.config
-        adv = rollout.advantages[idx, k] if rollout.advantages.ndim == 2 else rollout.advantages[idx]  # per step or not
+        # per step or not
+        adv = rollout.advantages[idx, k] if rollout.advantages.ndim == 2 else rollout.advantages[idx]
         weights = self.importance_weights(rollout, idx, k)
         kl_old = old_policy_kl(rollout.means[idx, k], out.mean, self.kl_old_std(rollout, k, out))  # mu_old vs theta
         if cfg.trust_region == "kl_mask":

@@ -134,7 +134,8 @@ class OPGRPOTrainer(FlowGRPOTrainer):
         self._correct_off_policy(rollout)
         stats = self.replay_buffer.stats(step + 1)
         rollout.extras.setdefault("metrics", {}).update({
-            "buffer/size": stats["size"], "buffer/mean_reward": stats["mean_reward"], "buffer/mean_age": stats["mean_age"],
+            "buffer/size": stats["size"], "buffer/mean_reward": stats["mean_reward"],
+            "buffer/mean_age": stats["mean_age"],
             "off_policy_share": len(entries) / len(plan),
         })
         return rollout
@@ -241,7 +242,8 @@ class OPGRPOTrainer(FlowGRPOTrainer):
         m = rollout.extras.setdefault("metrics", {})
         fresh_trained = rollout.train_mask & ~rollout.extras["is_replay"][:, None]
         dev = (old - behaviour).abs()[fresh_trained]
-        m["fresh_logp_recompute_dev"] = float(self.gather(dev.max().reshape(1) if dev.numel() else torch.zeros(1)).max())
+        m["fresh_logp_recompute_dev"] = float(
+            self.gather(dev.max().reshape(1) if dev.numel() else torch.zeros(1)).max())
         # Gather fixed-size tensors and select after: the replayed samples are not spread evenly over processes.
         w_off = self.gather(w)[self.gather(rollout.extras["is_replay"])]
         if len(w_off):
@@ -275,8 +277,8 @@ class OPGRPOTrainer(FlowGRPOTrainer):
         if buffer.per_prompt < self.config.replay_per_prompt:
             raise ValueError(f"{source}: per_prompt={buffer.per_prompt}, but replay_unit={self.config.replay_unit!r} "
                              f"with num_generations={self.config.num_generations} replays up to "
-                             f"{self.config.replay_per_prompt} distinct trajectories of a prompt; make or load it with "
-                             f"per_prompt={self.config.replay_per_prompt}")
+                             f"{self.config.replay_per_prompt} distinct trajectories of a prompt; make or load it "
+                             f"with per_prompt={self.config.replay_per_prompt}")
         if shape is not None and shape[0] - 1 != k_off:
             raise ValueError(f"{source}: its entries hold k_off={shape[0] - 1} reused steps but this config's "
                              f"truncation step is {k_off} (truncation_step={self.config.truncation_step}, "
@@ -292,14 +294,14 @@ class OPGRPOTrainer(FlowGRPOTrainer):
         k_old = saved.get("truncation_step")
         if cfg.replay_unit != "group" or k_old != cfg.resolved_truncation_step:
             raise ValueError(
-                f"resume_from_checkpoint: {source} has no `{SEMANTICS_MARKER}`: it was written before the replay-share change, when "
-                f"off_policy_fraction={saved.get('off_policy_fraction')} meant the share of groups replaying one "
-                f"trajectory each and the truncation step was {k_old} (now off_policy_fraction is the share of "
-                f"samples and the default truncation regenerates only the late tail). To continue that run "
-                f"unchanged pass replay_unit=group truncation_step={k_old}; for the new meaning start a new run in "
-                "another output_dir")
-        self.accelerator.print(f"{source}: written before the replay-share change; resumed under the old meaning, as asked "
-                               f"(replay_unit=group, truncation_step={k_old})")
+                f"resume_from_checkpoint: {source} has no `{SEMANTICS_MARKER}`: it was written before the "
+                f"replay-share change, when off_policy_fraction={saved.get('off_policy_fraction')} meant the share of "
+                f"groups replaying one trajectory each and the truncation step was {k_old} (now off_policy_fraction "
+                f"is the share of samples and the default truncation regenerates only the late tail). To continue "
+                f"that run unchanged pass replay_unit=group truncation_step={k_old}; for the new meaning start a new "
+                "run in another output_dir")
+        self.accelerator.print(f"{source}: written before the replay-share change; resumed under the old meaning, as "
+                               f"asked (replay_unit=group, truncation_step={k_old})")
 
     def save_extra_state(self, path):
         self.replay_buffer.save_to_disk(os.path.join(path, BUFFER_DIR))

@@ -52,7 +52,8 @@ class PolicyGradientConfig(FlowRLConfig):
     def __post_init__(self):
         super().__post_init__()
         need = self._need
-        need(self.sampler != "ode", "sampler", "`ode` has no log-prob and cannot be trained; use flow_sde, cps or ddim")
+        need(self.sampler != "ode", "sampler",
+             "`ode` has no log-prob and cannot be trained; use flow_sde, cps or ddim")
         need(self.timestep_fraction == 1 or not self.sde_window_size, "timestep_fraction",
              f"with sde_window_size={self.sde_window_size} the window already picks the trained steps; use one of the "
              "two (flow_grpo's Fast script uses the window alone)")

@@ -32,12 +32,12 @@ class StepwiseFlowGRPOConfig(FlowGRPOConfig):
         "setting: the gains of a group then start from the same state)."))
     num_substeps: int = field(default=2, metadata=meta("notice",
         "T': deterministic Euler steps of the clean-image estimate at every state, from its sigma to 0 on a grid "
-        "linear in sigma. Default 2, chosen by measurement (docs/stepwise_flow_grpo.md, the T' measurement): on the shapes "
-        "benchmark's tier 2, T' = 2, 3 and 5 end within the seed noise of each other on both prompt sets, and T' = 2 "
-        "costs about 1.2x a Flow-GRPO iteration against 2.4x at 5. The paper reports its results robust to T' in {2, "
-        "5, 8} and uses 5: set 5 to reproduce it (the sd35m_stepwise_* recipes do). 1 is the one-step (Tweedie) "
-        "estimate x - sigma v, which reuses the rollout's velocity and costs no transformer call (it learned less "
-        "here); each further substep costs one guided transformer evaluation per state."))
+        "linear in sigma. Default 2, chosen by measurement (docs/stepwise_flow_grpo.md, the T' measurement): on the "
+        "shapes benchmark's tier 2, T' = 2, 3 and 5 end within the seed noise of each other on both prompt sets, and "
+        "T' = 2 costs about 1.2x a Flow-GRPO iteration against 2.4x at 5. The paper reports its results robust to T' "
+        "in {2, 5, 8} and uses 5: set 5 to reproduce it (the sd35m_stepwise_* recipes do). 1 is the one-step "
+        "(Tweedie) estimate x - sigma v, which reuses the rollout's velocity and costs no transformer call (it "
+        "learned less here); each further substep costs one guided transformer evaluation per state."))
     gain_normalization: str = field(default="joint", metadata=meta("notice",
         "How per-step gains g_k = r_{k+1} - r_k become advantages: `joint` (the paper's: (g - mean) / std over all "
         "(trajectory, trained step) pairs of the group) or `per_step` (over the group's trajectories at each step "
@@ -47,7 +47,8 @@ class StepwiseFlowGRPOConfig(FlowGRPOConfig):
     def __post_init__(self):
         super().__post_init__()
         name = type(self).__name__
-        if not (isinstance(self.num_substeps, int) and not isinstance(self.num_substeps, bool) and self.num_substeps >= 1):
+        if not (isinstance(self.num_substeps, int) and not isinstance(self.num_substeps, bool)
+                and self.num_substeps >= 1):
             raise ValueError(f"{name}.num_substeps={self.num_substeps!r}: must be an integer >= 1 (1 = the one-step "
                              "Tweedie estimate x - sigma v)")
         if self.gain_normalization not in GAIN_NORMALIZATIONS:

@@ -192,7 +192,8 @@ class StepwiseFlowGRPOTrainer(FlowGRPOTrainer):
             "stepwise/extra_velocity_evals_per_rollout_eval": float(evals.sum()) / (cfg.train_batch_size * K),
             "stepwise/extra_decodes": float(self.gather(torch.tensor([float(len(pairs))], device=self.device)).sum()),
             "stepwise/extra_s": time.perf_counter() - t0,
-            "stepwise/shared_estimates": float(self.gather(torch.tensor([float(len(shared))], device=self.device)).sum()),
+            "stepwise/shared_estimates": float(
+                self.gather(torch.tensor([float(len(shared))], device=self.device)).sum()),
         })
 
     @staticmethod
@@ -227,7 +228,8 @@ class StepwiseFlowGRPOTrainer(FlowGRPOTrainer):
         adv = raw.clamp(-cfg.adv_clip_max, cfg.adv_clip_max) if cfg.adv_clip_max is not None else raw
         rollout.advantages = adv[self._local_slice(len(adv))].to(self.device)
         metrics = rollout.extras.setdefault("metrics", {})
-        metrics.update(self.stepwise_metrics(self.gather(rollout.extras["step_rewards"]), gains, rollout.trained_steps()))
+        metrics.update(
+            self.stepwise_metrics(self.gather(rollout.extras["step_rewards"]), gains, rollout.trained_steps()))
         # share of trained (trajectory, step) pairs whose advantage the +-adv_clip_max clip cut: joint normalisation
         # can give a few large early gains far more than 5 std
         valid = ~torch.isnan(gains)

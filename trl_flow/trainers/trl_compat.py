@@ -69,7 +69,8 @@ def alias_target(config_cls, name: str) -> str | None:
     if target is None:
         return None
     if target not in _field_names(config_cls):
-        why = f": {_RATIO_FIELDS[target]} (its update is not a policy-gradient ratio)" if target in _RATIO_FIELDS else ""
+        why = (f": {_RATIO_FIELDS[target]} (its update is not a policy-gradient ratio)" if target in _RATIO_FIELDS
+               else "")
         raise ValueError(f"{cls_name}: `{name}` is TRL's name for `{target}`, which {cls_name} does not have{why}; "
                          "remove it")
     return target

@@ -267,7 +267,8 @@ def is_val_spec(spec: PromptSpec) -> bool:
 def rl_train_prompts(max_count: int = DEFAULT_MAX_COUNT, categories: tuple[str, ...] | None = None):
     """The prompts RL trains on: the train split minus the validation split (optionally only ``categories``)."""
     return _dataset([(s.to_prompt(), s.category) for s in all_specs(max_count)
-                     if not is_test_spec(s) and not is_val_spec(s) and (categories is None or s.category in categories)])
+                     if not is_test_spec(s) and not is_val_spec(s)
+                     and (categories is None or s.category in categories)])
 
 
 def val_prompts(max_count: int = DEFAULT_MAX_COUNT):
