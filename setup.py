@@ -34,7 +34,8 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "test": ["pytest>=8", "ftfy", "matplotlib", "tensorboard", "wandb", "fastapi>=0.110", "uvicorn>=0.29"],
+        "test": ["pytest>=8", "ftfy", "matplotlib", "scipy", "tensorboard", "wandb", "fastapi>=0.110", "uvicorn>=0.29",
+                 "ruff"],
         # rewards (docs/rewards.md): pickscore, clip_score, aesthetic and ocr need nothing beyond transformers.
         # hpsv2 and image-reward pin incompatible timm versions: install one, or serve the other (`serve`).
         "serve": ["fastapi>=0.110", "uvicorn>=0.29"],
@@ -42,7 +43,7 @@ setup(
         "image-reward": ["image-reward>=1.5"],
         "wandb": ["wandb"],
         "quant": ["bitsandbytes"],
-        "bench": ["matplotlib"],
+        "bench": ["matplotlib", "scipy"],
         # WanImageToVideoPipeline (diffusers <= 0.42) cleans prompts with ftfy without checking it is installed
         "video": ["ftfy"],
         # No "flux2" extra: FLUX.2-dev's tokenizer (transformers' PixtralProcessor) needs torchvision, but an

@@ -188,7 +188,8 @@ def test_sources_of_different_conditioning_sizes_are_refused_at_set_up(tmp_path,
     from datasets import Dataset
 
     with pytest.raises(ValueError, match=r"train_dataset, column `source_image`: rows 0 \(32x32 px\) and 3 \(40x24 "
-                                         r"px\) are encoded at different sizes \(32x32 and 40x24, source_size='source'"):
+                                         r"px\) are encoded at different sizes \(32x32 and 40x24, "
+                                         r"source_size='source'"):
         FlowGRPOTrainer(kontext_config(FlowGRPOConfig, tmp_path), make_adapter(), [brightness],
                         train_dataset=Dataset.from_dict(rows))
     auto = FluxKontextAdapter(tiny_flux_kontext_pipeline())
@@ -211,7 +212,7 @@ def test_kl_to_reference_takes_the_sources(tmp_path, edit_dataset, trainer_class
     assert kl.shape == (2,) and torch.isfinite(kl).all() and (kl > 0).all()
 
 
-def test_push_to_hub_card_samples_with_the_sources(online_hub, tmp_path, edit_dataset):
+def test_push_to_hub_card_samples_with_the_sources(online_hub, tmp_path, edit_dataset):  # noqa: F811 (a fixture)
     """push_to_hub of an editing run: the before/after grid is sampled with the eval rows' sources (it raised
     'needs the source_image column' before), the card is tagged image-to-image and its code passes image=."""
     import ast
@@ -263,7 +264,8 @@ def test_output_source_size_is_flow_grpos_resize_to_the_generated_size(tmp_path,
     source(9, (40, 24)).save(tmp_path / "wide.png")
     rows["source_image"][3] = str(tmp_path / "wide.png")
     config = kontext_config(FlowGRPOConfig, tmp_path, max_steps=1, source_image_size="output")
-    trainer = FlowGRPOTrainer(config, tiny_flux_kontext_pipeline(), [brightness], train_dataset=Dataset.from_dict(rows))
+    trainer = FlowGRPOTrainer(config, tiny_flux_kontext_pipeline(), [brightness],
+                              train_dataset=Dataset.from_dict(rows))
     assert trainer.adapter.source_size == "output"
     trainer.train()
     assert torch.isfinite(torch.tensor(trainer.state.log_history[-1]["loss"]))

@@ -104,7 +104,8 @@ def test_source_conditions_and_embeds_index_and_concatenate():
     vl = ("prompt_embeds", "prompt_embeds_mask", "negative_prompt_embeds", "negative_prompt_embeds_mask")
     with torch.no_grad():
         v = adapter.velocity(adapter.transformer, x, t, same, 4.5)
-        v_latents = adapter.velocity(adapter.transformer, x, t, dict(same, image_latents=same["image_latents"].flip(0)),
+        v_latents = adapter.velocity(adapter.transformer, x, t,
+                                     dict(same, image_latents=same["image_latents"].flip(0)),
                                      4.5)
         v_vl = adapter.velocity(adapter.transformer, x, t, dict(same, **{k: same[k].flip(0) for k in vl}), 4.5)
     assert not torch.allclose(v, v_latents) and not torch.allclose(v, v_vl)
@@ -127,7 +128,8 @@ def test_bad_sources_options_and_long_prompts():
     with pytest.warns(UserWarning, match=rf"a prompt has {n} tokens, more than max_sequence_length=16.*does not cut"):
         with torch.no_grad():
             cut = adapter.encode_prompts(["a cat", long], False, MAX_SEQ, images=[source(0), source(0)])
-    assert cut["prompt_embeds_mask"].sum(dim=1).tolist()[1] == cut["prompt_embeds"].shape[1]  # cut to the stored length
+    # cut to the stored length
+    assert cut["prompt_embeds_mask"].sum(dim=1).tolist()[1] == cut["prompt_embeds"].shape[1]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with torch.no_grad():

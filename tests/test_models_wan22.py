@@ -286,7 +286,8 @@ def test_full_finetune_of_one_expert(tmp_path):
         assert all(torch.equal(v, want[k]) for k, v in getattr(saved, name).state_dict().items()), name
 
 
-@pytest.mark.parametrize("experts,float32", [("low_noise", ("transformer_2",)), ("all", ("transformer", "transformer_2"))])
+@pytest.mark.parametrize("experts,float32",
+                         [("low_noise", ("transformer_2",)), ("all", ("transformer", "transformer_2"))])
 def test_bf16_full_finetune_keeps_the_trained_experts_in_float32(tmp_path, experts, float32, fresh_accelerate_state):
     """Mixed precision: the trained expert(s) keep float32 weights, a frozen expert is cast to bf16 like the other
     frozen components."""
@@ -492,7 +493,8 @@ def test_recipe_settings_train_on_the_tiny_pipeline(tmp_path, recipe, form):
     assert state.global_step == 1 and state.log_history[0]["ratio_first_max_dev"] == 0.0
     targets = config.lora_target_modules or list(trainer.adapter.default_lora_target_modules)
     for name in trainer.adapter.trained_components():
-        adapted = {n.rsplit(".lora_", 1)[0] for n, _ in getattr(trainer.pipe, name).named_parameters() if ".lora_" in n}
+        adapted = {n.rsplit(".lora_", 1)[0] for n, _ in getattr(trainer.pipe, name).named_parameters()
+                   if ".lora_" in n}
         assert all(any(a.endswith(t) for a in adapted) for t in targets), (name, targets)
 
 

@@ -26,7 +26,8 @@ FLUX2_SCHEDULER_CONFIG = dict(
 _MISTRAL_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}"
     "{% if m['content'] is string %}{% set text = m['content'] %}"
-    "{% else %}{% set text = m['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') %}"
+    "{% else %}{% set text = m['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') "
+    "| join('') %}"
     "{% endif %}"
     "{% if m['role'] == 'system' %}[SYSTEM_PROMPT]{{ text }}[/SYSTEM_PROMPT]"
     "{% elif m['role'] == 'user' %}[INST]{{ text }}[/INST]{% else %}{{ text }}{{ eos_token }}{% endif %}"

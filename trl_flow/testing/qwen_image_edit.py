@@ -48,8 +48,8 @@ def _qwen2_vl_processor(tokenizer):
 
 
 def tiny_qwen_image_edit_pipeline(seed: int = 0, num_layers: int = 2, text_layers: int = 2, variant: str = "edit"):
-    """A real ``QwenImageEditPipeline`` (``variant="plus"``: ``QwenImageEditPlusPipeline``, Qwen-Image-Edit-2509's) with
-    tiny random components, every module in ``.eval()``: the tiny Qwen-Image transformer, VAE (4x spatial
+    """A real ``QwenImageEditPipeline`` (``variant="plus"``: ``QwenImageEditPlusPipeline``, Qwen-Image-Edit-2509's)
+    with tiny random components, every module in ``.eval()``: the tiny Qwen-Image transformer, VAE (4x spatial
     compression, so sizes are multiples of 8) and scheduler, a ``Qwen2_5_VLForConditionalGeneration`` with its vision
     tower (patch 14, one block) and a ``Qwen2VLProcessor`` whose images have 4 to 16 vision tokens.
 
