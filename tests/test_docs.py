@@ -1041,3 +1041,10 @@ def test_diffusion_nft_with_cfg_numbers_are_the_committed_results():
         a, b = p["methods"][f"diffusion_nft_cfg@{lr}"], p["methods"][f"flow_grpo@{lr}"]
         assert page.significance(a["final"], b["final"], better="higher")["word"] == "holds", lr
         assert statistics.mean(a["kl"]) <= statistics.mean(b["kl"]) / 3, lr
+
+
+def test_readme_table_cells_are_short():
+    """README tables stay readable on a first screen: no cell over 160 characters (long stories go to docs/)."""
+    long = [(n, len(cell)) for n, line in enumerate(open(os.path.join(ROOT, "README.md"), encoding="utf-8"), 1)
+            if line.startswith("|") for cell in line.strip().strip("|").split(" | ") if len(cell) > 160]
+    assert long == []
