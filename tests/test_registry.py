@@ -98,3 +98,33 @@ def test_rank_advantages_of_the_guide(clean_registry):
     rollout.group_ids = torch.tensor([0, 0, 0, 1, 1, 1])
     trainer.compute_advantages(rollout)
     assert rollout.advantages.tolist() == [-2.0, 2.0, 0.0, 0.0, 2.0, -2.0]
+
+
+def test_trainer_entry_points_register_and_a_redundant_one_is_quiet(monkeypatch, clean_registry, tmp_path):
+    """The entry-point group trl_flow.trainers, through the loader the adapters use: a plug-in trainer registers on
+    first lookup; one naming the class a name already has is quietly redundant; a taken name or a broken plug-in
+    warns, and the built-in trainers stay."""
+    import warnings
+    from importlib.metadata import EntryPoint
+
+    (tmp_path / "toy_trl_flow_trainer.py").write_text(
+        "import trl_flow\n\nclass ToyTrainer(trl_flow.FlowGRPOTrainer):\n    summary = 'a toy'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    eps = [EntryPoint(name=n, value=v, group=registry.ENTRY_POINT_GROUP) for n, v in (
+        ("toy", "toy_trl_flow_trainer:ToyTrainer"),
+        ("grpo", "trl_flow.trainers.flow_grpo_trainer:FlowGRPOTrainer"),  # the same class: no warning
+        ("dppo", "toy_trl_flow_trainer:ToyTrainer"),  # a taken name: ignored, with a warning
+        ("broken", "no_such_trl_flow_module_xyz:Trainer"),
+    )]
+    monkeypatch.setattr("importlib.metadata.entry_points",
+                        lambda group=None, **kw: [ep for ep in eps if ep.group == group])
+    monkeypatch.setattr(registry, "_entry_points_loaded", False)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainers = trl_flow.registered_trainers()
+    messages = [str(w.message) for w in record]
+    assert trainers["toy"].__name__ == "ToyTrainer" and trainers["grpo"] is trl_flow.FlowGRPOTrainer
+    assert trainers["dppo"] is trl_flow.FlowDPPOTrainer
+    assert any("dppo already has a trainer (FlowDPPOTrainer)" in m for m in messages), messages
+    assert any("broken" in m and "ModuleNotFoundError" in m for m in messages), messages
+    assert not any("entry point grpo" in m for m in messages), messages

@@ -75,25 +75,10 @@ def _load_entry_points() -> None:
     if _entry_points_loaded:
         return
     _entry_points_loaded = True
-    from importlib.metadata import entry_points
+    from ..plugins import load_entry_points
 
-    import warnings
-
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        current = _ADAPTERS.get(ep.name)
-        if current is not None:  # registered before (a built-in, or by the plug-in itself): that one stays
-            same = (__name__ + current if current.startswith(".") else current) if isinstance(current, str) else (
-                f"{current.__module__}:{current.__qualname__}")
-            if ep.value.replace(" ", "") != same:
-                warnings.warn(f"trl_flow: entry point {ep.name} = {ep.value} ({ENTRY_POINT_GROUP}) ignored: "
-                              f"{ep.name} already has an adapter ({_adapter_name(current)}); call "
-                              "register_adapter(..., overwrite=True) to replace it", stacklevel=3)
-            continue
-        try:
-            register_adapter(ep.name, ep.load())
-        except Exception as e:  # a broken plug-in must not break the built-in families
-            warnings.warn(f"trl_flow: entry point {ep.name} = {ep.value} ({ENTRY_POINT_GROUP}) could not be "
-                          f"registered: {type(e).__name__}: {e}", stacklevel=3)
+    # registered before (a built-in, or by the plug-in itself): that one stays
+    load_entry_points(ENTRY_POINT_GROUP, _ADAPTERS.get, register_adapter, "an adapter", package=__name__)
 
 
 def get_adapter(pipe, **options) -> FlowAdapter:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import warnings
 
 ENTRY_POINT_GROUP = "trl_flow.trainers"
 _NAME = re.compile(r"^[a-z][a-z0-9_-]*$")
@@ -94,15 +93,7 @@ def _load_entry_points() -> None:
     if _entry_points_loaded:
         return
     _entry_points_loaded = True
-    from importlib.metadata import entry_points
+    from ..plugins import load_entry_points
 
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name in _TRAINERS or ep.name in _ALIASES:
-            warnings.warn(f"trl_flow: entry point {ep.name} = {ep.value} ({ENTRY_POINT_GROUP}) ignored: {ep.name} "
-                          "already names a trainer", stacklevel=3)
-            continue
-        try:
-            register_trainer(ep.name, ep.load())
-        except Exception as e:  # a broken plug-in must not break the built-in trainers
-            warnings.warn(f"trl_flow: entry point {ep.name} = {ep.value} ({ENTRY_POINT_GROUP}) could not be "
-                          f"registered: {type(e).__name__}: {e}", stacklevel=3)
+    load_entry_points(ENTRY_POINT_GROUP, lambda name: _TRAINERS.get(_ALIASES.get(name, name)), register_trainer,
+                      "a trainer")
