@@ -337,15 +337,27 @@ def destroy_at_exit() -> None:
     """At interpreter exit: destroy the process group if it is still there. Left to the interpreter's teardown,
     gloo's worker threads can be destroyed while still joinable and a finished process aborts (SIGABRT,
     ``terminate called without an active exception``): 5-6 of 100 gloo processes (``scripts/measure_gloo_exit.py``).
-    No barrier: a process may exit after an error while a peer still waits in a collective; destroying this
-    process's own group is local."""
+    Under gloo the processes first meet in a barrier bounded by :data:`EXIT_BARRIER_S` (destroying a group while a
+    peer's gloo threads still talk to it aborted a finished process in the tracked-run test); a process that exits
+    after an error, while a peer still waits in a collective, stops waiting after that bound."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         try:
+            if dist.get_backend() == "gloo" and dist.get_world_size() > 1:
+                from datetime import timedelta
+
+                dist.monitored_barrier(timeout=timedelta(seconds=EXIT_BARRIER_S), wait_all_ranks=True)
+        except Exception:  # a peer that stopped or is still busy: destroy this process's group all the same
+            pass
+        try:
             dist.destroy_process_group()
         except Exception:  # at exit: a group that cannot be destroyed is left as it was
             pass
+
+
+#: Seconds the processes of a gloo group wait for each other at interpreter exit before destroying it.
+EXIT_BARRIER_S = 10.0
 
 
 def register_exit_hook() -> None:
