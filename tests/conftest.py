@@ -126,3 +126,12 @@ def make_trainer(tmp_path, fresh_pipe):
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: runs for tens of seconds or more (subprocesses, several processes, "
                                        "benchmark reruns); `-m 'not slow'` leaves them out")
+
+
+def velocity_and_input_grad(adapter, transformer, x0, t, embeds, guidance_scale: float, detach_uncond: bool):
+    """The guided velocity at ``x0`` and the gradient of a fixed linear functional of it with respect to ``x0``: the
+    family tests compare these with the unconditional branch detached or not (``detach_uncond``)."""
+    x = x0.clone().requires_grad_(True)
+    v = adapter.velocity(transformer, x, t, embeds, guidance_scale, detach_uncond=detach_uncond)
+    (v * torch.linspace(-1, 1, v.numel()).view_as(v)).sum().backward()
+    return v.detach(), x.grad

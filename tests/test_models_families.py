@@ -10,7 +10,7 @@ import inspect
 
 import pytest
 import torch
-from conftest import HEIGHT, MAX_SEQ, PROMPTS, WIDTH
+from conftest import HEIGHT, MAX_SEQ, PROMPTS, WIDTH, velocity_and_input_grad
 
 import trl_flow
 from trl_flow.testing import tiny_flux_pipeline, tiny_sd3_pipeline, tiny_wan_pipeline
@@ -102,10 +102,7 @@ def test_detach_uncond_keeps_value_and_drops_uncond_gradient(family):
     x0 = adapter.initial_noise(2, HEIGHT, WIDTH, torch.Generator().manual_seed(0))
 
     def value_and_grad(detach):
-        x = x0.clone().requires_grad_(True)
-        v = adapter.velocity(pipe.transformer, x, t, embeds, 3.0, detach_uncond=detach)
-        (v * torch.linspace(-1, 1, v.numel()).view_as(v)).sum().backward()
-        return v.detach(), x.grad
+        return velocity_and_input_grad(adapter, pipe.transformer, x0, t, embeds, 3.0, detach)
 
     v_full, g_full = value_and_grad(False)
     v_cond, g_cond = value_and_grad(True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import HEIGHT, PROMPTS, WIDTH
+from conftest import HEIGHT, PROMPTS, WIDTH, velocity_and_input_grad
 
 from trl_flow.models import get_adapter, load_pipeline
 from trl_flow.models.flux2 import Flux2Adapter, Flux2KleinAdapter
@@ -105,10 +105,7 @@ def test_klein_detach_uncond_keeps_value_and_drops_uncond_gradient():
     x0 = adapter.initial_noise(2, HEIGHT, WIDTH, torch.Generator().manual_seed(0))
 
     def value_and_grad(detach):
-        x = x0.clone().requires_grad_(True)
-        v = adapter.velocity(pipe.transformer, x, t, embeds, 3.0, detach_uncond=detach)
-        (v * torch.linspace(-1, 1, v.numel()).view_as(v)).sum().backward()
-        return v.detach(), x.grad
+        return velocity_and_input_grad(adapter, pipe.transformer, x0, t, embeds, 3.0, detach)
 
     v_full, g_full = value_and_grad(False)
     v_cond, g_cond = value_and_grad(True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import HEIGHT, MAX_SEQ, PROMPTS, WIDTH
+from conftest import HEIGHT, MAX_SEQ, PROMPTS, WIDTH, velocity_and_input_grad
 
 from trl_flow.models import get_adapter
 from trl_flow.models.qwen_image import QwenImageAdapter
@@ -63,10 +63,7 @@ def test_true_cfg_rescales_to_the_conditional_norm_and_detach_keeps_the_value():
     assert not torch.allclose(v_cfg, v_cond, atol=1e-3)
 
     def value_and_grad(detach):
-        x = x0.clone().requires_grad_(True)
-        v = adapter.velocity(pipe.transformer, x, t, embeds, 4.0, detach_uncond=detach)
-        (v * torch.linspace(-1, 1, v.numel()).view_as(v)).sum().backward()
-        return v.detach(), x.grad
+        return velocity_and_input_grad(adapter, pipe.transformer, x0, t, embeds, 4.0, detach)
 
     v_full, g_full = value_and_grad(False)
     v_cond_only, g_cond_only = value_and_grad(True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import HEIGHT, PROMPTS, WIDTH
+from conftest import HEIGHT, PROMPTS, WIDTH, velocity_and_input_grad
 from test_models_families import family_config, video_or_image_brightness
 
 from trl_flow.models import get_adapter
@@ -129,10 +129,7 @@ def test_detach_uncond_keeps_value_and_drops_uncond_gradient():
     x0 = adapter.initial_noise(2, HEIGHT, WIDTH, torch.Generator().manual_seed(0))
 
     def value_and_grad(detach):
-        x = x0.clone().requires_grad_(True)
-        v = adapter.velocity(adapter.transformer, x, t, embeds, 3.0, detach_uncond=detach)
-        (v * torch.linspace(-1, 1, v.numel()).view_as(v)).sum().backward()
-        return v.detach(), x.grad
+        return velocity_and_input_grad(adapter, adapter.transformer, x0, t, embeds, 3.0, detach)
 
     v_full, g_full = value_and_grad(False)
     v_cond, g_cond = value_and_grad(True)
