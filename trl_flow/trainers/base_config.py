@@ -96,6 +96,17 @@ class FlowRLConfig(metaclass=AcceptsTrlNames):  # TRL's GRPOConfig names (epsilo
         "Keep every prompt's embeddings (on the CPU) across iterations and evaluations, keyed by all they depend on, "
         "so the text encoders run once per distinct prompt; results are bit for bit those of encoding each time "
         "(Flow-Factory, DanceGRPO and UniRL precompute or cache them). Memory: one embedding per distinct prompt."))
+    batch_replay_steps: bool = field(default=False, metadata=meta("notice",
+        "Compute a microbatch's loss terms in ONE transformer forward (UniRL's `batch_replay_steps`, "
+        "Tencent-Hunyuan/UniRL 0c97cfb, unirl/models/types/batched_replay.py:26; its PRs #144/#394: FLUX.2-klein 9B "
+        "on 8 GPUs 367 -> 329 s a step). Policy-gradient trainers: the B samples' states at the S trained steps go "
+        "in as B*S rows with per-row timesteps and repeated embeddings (the reference policy's forward for beta > 0 "
+        "likewise); DiffusionNFT: its T training points (old, current and reference policy). The output is split "
+        "back per term, each term's loss is the method's own, and one backward of their sum, weighted as the "
+        "per-term backwards are, replaces S. Transformer calls of the update: one per microbatch instead of S. "
+        "Memory: S times the activations of one term (B*S rows in one forward). Results agree to float rounding, "
+        "not bit for bit: the rollout's log-probs were computed with B rows a call, so `ratio_first_max_dev` can be "
+        "~1e-7 instead of exactly 0 (OP-GRPO recomputes its anchor in the batched geometry: exactly 0)."))
     offload: str = field(default="none", metadata=meta("harmless",
         "`none`, or `model`: the text encoders and the VAE wait in CPU memory and move to the device only to encode "
         "prompts / decode images (saves their device memory during sampling and the update; results unchanged)."))

@@ -84,6 +84,9 @@ class FlowRLTrainer:
     #: What the rollout keeps (:data:`trl_flow.rollout.ROLLOUT_STORES`): every state and kernel mean
     #: (``"trajectory"``), or the final samples alone (``"final"``, DiffusionNFT).
     rollout_store = "trajectory"
+    #: The hooks the layer's batched :meth:`term_losses` (``batch_replay_steps``) stands in for: a subclass that
+    #: overrides one of them without its own ``term_losses`` is refused the field rather than silently bypassed.
+    batched_term_hooks: tuple[str, ...] = ()
 
     # ------------------------------------------------------------------------------------------------ set-up
     def __init__(self, config=None, pipe=None, reward_funcs=None, train_dataset=None, eval_dataset=None, *,
@@ -93,6 +96,7 @@ class FlowRLTrainer:
         config, pipe, reward_funcs = trl_compat.resolve_init_args(
             self, config, pipe, reward_funcs, model=model, args=args, peft_config=peft_config, kwargs=kwargs)
         self.config = config
+        self._check_batch_replay_steps()
         run_dir.check_writable(config.output_dir)  # before any compute: the run's outputs must be saveable
         self.reward_funcs, self.reward_names, self.reward_weights = validate_reward_funcs(
             reward_funcs, config.reward_weights
@@ -146,6 +150,24 @@ class FlowRLTrainer:
                                                        "eval_dataset": self.eval_dataset})
         self._no_reward = guards.NoRewardMonitor()
         callbacks_engine.attach(self, callbacks)  # transformers' TrainerCallbacks; fires on_init_end
+
+    def _check_batch_replay_steps(self) -> None:
+        """``batch_replay_steps=True`` needs a layer whose :meth:`term_losses` batches the terms, and no subclass
+        override of a hook that batched path bypasses."""
+        if not self.config.batch_replay_steps:
+            return
+        mro = type(self).__mro__
+        owner = next(c for c in mro if "term_losses" in vars(c))
+        name = type(self).__name__
+        if owner is FlowRLTrainer:
+            raise ValueError(f"batch_replay_steps=True: {name} computes its loss terms one by one (no batched "
+                             "term_losses); set batch_replay_steps=False")
+        for cls in mro[:mro.index(owner)]:
+            for hook in owner.batched_term_hooks:
+                if hook in vars(cls):
+                    raise ValueError(f"batch_replay_steps=True: {cls.__name__} overrides {hook}, which the batched "
+                                     f"path of {owner.__name__}.term_losses bypasses; set batch_replay_steps=False "
+                                     "or override term_losses too")
 
     @property
     def logprob_reduction(self) -> str:
@@ -395,6 +417,17 @@ class FlowRLTrainer:
         term of :meth:`loss_terms`. Every statistic is logged as its mean over the masked samples (NaN: left out)."""
         raise NotImplementedError
 
+    def term_batches(self, terms: list) -> list[list]:
+        """The terms of a microbatch split, in order, into the batches computed together: one forward and one
+        backward of their weighted sum each (:meth:`term_losses`). Default: each term alone (one backward per
+        term); the policy-gradient layer's ``batched_replay`` puts them all in one."""
+        return [[term] for term in terms]
+
+    def term_losses(self, rollout: Rollout, idx: torch.Tensor, terms: list) -> list[tuple]:
+        """:meth:`term_loss` of each of ``terms`` (one batch of :meth:`term_batches`), in order. A layer that
+        batches terms computes them here in one forward."""
+        return [self.term_loss(rollout, idx, term) for term in terms]
+
     def record_extremes(self, log: UpdateLog, name: str, values: torch.Tensor, first: bool) -> None:
         """Further statistics of one term's statistic ``name`` (its masked, non-NaN ``values``); ``first``: the
         first optimizer step of the iteration, before any update. The policy-gradient layer keeps ratio extremes."""
@@ -411,7 +444,8 @@ class FlowRLTrainer:
 
     def optimize(self, rollout: Rollout, step: int) -> dict[str, float]:
         """``num_inner_epochs`` passes over the rollout; one optimizer step per ``gradient_accumulation_steps``
-        microbatches, each microbatch accumulating over its :meth:`loss_terms`."""
+        microbatches, each microbatch accumulating over its :meth:`loss_terms` (one backward per batch of
+        :meth:`term_batches`)."""
         cfg, acc = self.config, self.accelerator
         n = len(rollout)
         mb = cfg.per_device_train_batch_size
@@ -433,20 +467,26 @@ class FlowRLTrainer:
                 for b_i, idx in enumerate(group):
                     terms = self.loss_terms(rollout, idx, step, epoch, g_i * len(groups[0]) + b_i)
                     terms_per_mb.append(len(terms))
-                    for t_i, term in enumerate(terms):
-                        last = b_i == len(group) - 1 and t_i == len(terms) - 1
+                    chunks = self.term_batches(terms)
+                    for t_i, chunk in enumerate(chunks):
+                        last = b_i == len(group) - 1 and t_i == len(chunks) - 1
                         with contextlib.nullcontext() if last else acc.no_sync(self.model):
-                            loss, stats, mask = self.term_loss(rollout, idx, term)
-                            if not torch.isfinite(loss):
-                                loss = torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0) * 0.0
-                                self._nonfinite_skipped += 1
-                            acc.backward(loss / (len(group) * len(terms)))
-                        for name, val in stats.items():
-                            sel = val.detach()[mask]
-                            sel = sel[~torch.isnan(sel)]  # NaN marks "not part of this statistic"
-                            self.record_extremes(log, name, sel, first=epoch == 0 and g_i == 0)
-                            log.add(name, float(sel.sum()), sel.numel())
-                        log.add("loss", float(loss.detach()))
+                            results, total = [], None
+                            for loss, stats, mask in self.term_losses(rollout, idx, chunk):
+                                if not torch.isfinite(loss):
+                                    loss = torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0) * 0.0
+                                    self._nonfinite_skipped += 1
+                                results.append((loss, stats, mask))
+                                total = loss if total is None else total + loss
+                            # each term weighted 1 / (microbatches x terms), whether alone or batched
+                            acc.backward(total / (len(group) * len(terms)))
+                        for loss, stats, mask in results:
+                            for name, val in stats.items():
+                                sel = val.detach()[mask]
+                                sel = sel[~torch.isnan(sel)]  # NaN marks "not part of this statistic"
+                                self.record_extremes(log, name, sel, first=epoch == 0 and g_i == 0)
+                                log.add(name, float(sel.sum()), sel.numel())
+                            log.add("loss", float(loss.detach()))
                     self.after_microbatch(rollout, idx, log)
                 grad_norms.append(self._optimizer_step())
                 self.after_optimizer_step()

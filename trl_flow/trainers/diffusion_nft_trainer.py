@@ -130,6 +130,7 @@ class DiffusionNFTTrainer(FlowRLTrainer):
                "any sampler, CFG-free (arXiv 2509.16117)")
     paper = "DiffusionNFT, arXiv 2509.16117"
     rollout_store = "final"  # the loss needs the final latents only
+    batched_term_hooks = ("term_loss", "nft_point")
 
     def __init__(self, config=None, pipe=None, reward_funcs=None, train_dataset=None, eval_dataset=None, **kwargs):
         if distributed.requested() is not None:  # before any set-up
@@ -201,31 +202,50 @@ class DiffusionNFTTrainer(FlowRLTrainer):
     # ------------------------------------------------------------------------------------ the update
     def nft_point(self, rollout, idx, k_idx: torch.Tensor, gens, r: torch.Tensor):
         """Loss (B,) and stats at one training point of the microbatch ``idx``: schedule steps ``k_idx`` (B,)."""
+        return self.nft_points(rollout, idx, [k_idx], gens, r)[0]
+
+    def nft_points(self, rollout, idx, k_idxs: list[torch.Tensor], gens, r: torch.Tensor) -> list[tuple]:
+        """:meth:`nft_point` of each training point ``k_idxs`` (T of them), with one forward of each policy: the
+        T points' B rows concatenated point-major (``batch_replay_steps``; T = 1: the per-point forward). The noise
+        is drawn point by point, as the per-point path draws it."""
         cfg = self.config
+        B, T = len(idx), len(k_idxs)
         x0 = rollout.states[idx, -1].float()
-        t = rollout.schedule.sigmas[k_idx].float()
-        timestep = rollout.schedule.timesteps[k_idx]
-        eps = torch.stack([torch.randn(x0.shape[1:], generator=g, device=self.device) for g in gens])
-        xt = (1 - t.view(-1, *([1] * (x0.ndim - 1)))) * x0 + t.view(-1, *([1] * (x0.ndim - 1))) * eps
-        emb = index_embeds(rollout.embeds, idx)
+        view = (-1, *([1] * (x0.ndim - 1)))
+        ts, xts = [], []
+        for k_idx in k_idxs:
+            t = rollout.schedule.sigmas[k_idx].float()
+            eps = torch.stack([torch.randn(x0.shape[1:], generator=g, device=self.device) for g in gens])
+            ts.append(t)
+            xts.append((1 - t.view(view)) * x0 + t.view(view) * eps)
+        xt = torch.cat(xts)
+        timestep = torch.cat([rollout.schedule.timesteps[k_idx] for k_idx in k_idxs])
+        emb = index_embeds(rollout.embeds, idx.repeat(T))
         with torch.no_grad(), self.old_policy() as old, self._autocast():
-            v_old = self.adapter.velocity(old, xt, timestep, emb, cfg.guidance_scale)
+            v_old = self.adapter.velocity(old, xt, timestep, emb, cfg.guidance_scale).split(B)
         with self._autocast():
             v = self.adapter.velocity(self.model, xt, timestep, emb, cfg.guidance_scale,
-                                      detach_uncond=cfg.guidance_grad == "cond_only")
-        loss, stats = nft_loss(v.float(), v_old.float(), x0, xt, t, r, cfg.nft_beta, cfg.adv_clip_max)
-        stats["policy_loss"] = loss.detach()
+                                      detach_uncond=cfg.guidance_grad == "cond_only").split(B)
+        v_ref = None
         if cfg.beta > 0:
             with torch.no_grad(), self.reference_policy() as ref, self._autocast():
-                v_ref = self.adapter.velocity(ref, xt, timestep, emb, cfg.guidance_scale)
-            kl = ((v.float() - v_ref.float()) ** 2).mean(dim=tuple(range(1, x0.ndim)))
-            loss = loss + cfg.beta * kl
-            stats["kl"] = kl.detach()
-        return loss, stats
+                v_ref = self.adapter.velocity(ref, xt, timestep, emb, cfg.guidance_scale).split(B)
+        results = []
+        for j in range(T):
+            loss, stats = nft_loss(v[j].float(), v_old[j].float(), x0, xts[j], ts[j], r, cfg.nft_beta,
+                                   cfg.adv_clip_max)
+            stats["policy_loss"] = loss.detach()
+            if v_ref is not None:
+                kl = ((v[j].float() - v_ref[j].float()) ** 2).mean(dim=tuple(range(1, x0.ndim)))
+                loss = loss + cfg.beta * kl
+                stats["kl"] = kl.detach()
+            results.append((loss, stats))
+        return results
 
     def optimize(self, rollout, step):
         """The run layer's loop over this method's terms: per microbatch, T backward passes (one per training
-        point), one optimizer step per accumulation group; then the old-policy update."""
+        point; one in all with ``batch_replay_steps``), one optimizer step per accumulation group; then the
+        old-policy update."""
         cfg = self.config
         self._r_all = optimality_probability(rollout.advantages, cfg.adv_clip_max, cfg.adv_mode)
         steps_before = self.nft_optimizer_steps
@@ -244,6 +264,17 @@ class DiffusionNFTTrainer(FlowRLTrainer):
         mask = rollout.train_mask[idx, 0]
         per_sample, stats = self.nft_point(rollout, idx, k_idx, gens, self._r_all[idx])
         return masked_mean(per_sample, mask), stats, mask
+
+    def term_batches(self, terms):
+        """``batch_replay_steps``: all training points of a microbatch in one forward and one backward."""
+        return [list(terms)] if self.config.batch_replay_steps and terms else super().term_batches(terms)
+
+    def term_losses(self, rollout, idx, terms):
+        if len(terms) == 1:
+            return [self.term_loss(rollout, idx, terms[0])]
+        mask = rollout.train_mask[idx, 0]
+        points = self.nft_points(rollout, idx, [k_idx for k_idx, _ in terms], terms[0][1], self._r_all[idx])
+        return [(masked_mean(per_sample, mask), stats, mask) for per_sample, stats in points]
 
     def after_microbatch(self, rollout, idx, log):
         mask = rollout.train_mask[idx, 0]

@@ -218,8 +218,12 @@ class OPGRPOTrainer(FlowGRPOTrainer):
         old = behaviour.clone()
         for lo in range(0, n, cfg.per_device_train_batch_size):
             idx = torch.arange(lo, min(lo + cfg.per_device_train_batch_size, n), device=self.device)
-            for k in trained:
-                out = self.forward_step(rollout, idx, k, need_ref=False)
+            # batch_replay_steps: the training forward's geometry (all trained steps as one batch), so a fresh
+            # sample's first ratio stays exactly 1
+            outs = (self.forward_steps(rollout, idx, trained, need_ref=False)
+                    if cfg.batch_replay_steps and len(trained) > 1
+                    else [self.forward_step(rollout, idx, k, need_ref=False) for k in trained])
+            for k, out in zip(trained, outs):
                 old[idx, k] = out.log_prob
                 rollout.means[idx, k] = out.mean
         reused = torch.zeros(n, K, dtype=torch.bool, device=self.device)

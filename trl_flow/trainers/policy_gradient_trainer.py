@@ -33,6 +33,7 @@ class PolicyGradientTrainer(FlowRLTrainer):
     :meth:`compute_advantages` and :meth:`compute_loss`."""
 
     config_class = PolicyGradientConfig
+    batched_term_hooks = ("term_loss", "forward_step")
 
     @property
     def logprob_reduction(self) -> str:
@@ -54,6 +55,51 @@ class PolicyGradientTrainer(FlowRLTrainer):
         out = self.forward_step(rollout, idx, k, need_ref=self.config.beta > 0)
         loss, stats = self.compute_loss(rollout, idx, k, out)
         return loss, stats, rollout.train_mask[idx, k]
+
+    def term_batches(self, terms):
+        """``batch_replay_steps``: all trained steps of a microbatch in one forward and one backward."""
+        return [list(terms)] if self.config.batch_replay_steps and terms else super().term_batches(terms)
+
+    def term_losses(self, rollout, idx, ks):
+        if len(ks) == 1:
+            return [self.term_loss(rollout, idx, ks[0])]
+        outs = self.forward_steps(rollout, idx, ks, need_ref=self.config.beta > 0)
+        results = []
+        for k, out in zip(ks, outs):  # the method's loss of each step, unchanged
+            loss, stats = self.compute_loss(rollout, idx, k, out)
+            results.append((loss, stats, rollout.train_mask[idx, k]))
+        return results
+
+    def forward_steps(self, rollout: Rollout, idx: torch.Tensor, ks: list[int], need_ref: bool) -> list[StepOutput]:
+        """:meth:`forward_step` of each step of ``ks`` with one transformer forward (``batch_replay_steps``): the B
+        samples' states at the S steps as B*S rows, step-major, with per-row timesteps and the embeddings repeated
+        S times (and likewise one forward of the reference policy); the velocities are split back per step and each
+        goes through the step's own kernel."""
+        cfg = self.config
+        sig = rollout.schedule.sigmas
+        S, B = len(ks), len(idx)
+        xs = [rollout.states[idx, k] for k in ks]
+        x = torch.cat(xs)
+        emb = index_embeds(rollout.embeds, idx.repeat(S))
+        t = torch.stack([rollout.schedule.timesteps[k] for k in ks]).repeat_interleave(B)
+        with self._autocast():
+            v = self.adapter.velocity(self.model, x, t, emb, cfg.guidance_scale,
+                                      detach_uncond=cfg.guidance_grad == "cond_only").split(B)
+        v_ref = [None] * S
+        if need_ref:
+            with torch.no_grad(), self.reference_policy() as ref, self._autocast():
+                v_ref = self.adapter.velocity(ref, x, t, emb, cfg.guidance_scale).split(B)
+        outs = []
+        for j, k in enumerate(ks):
+            kind = rollout.extras["step_kinds"][k]
+            _, log_prob, mean, std = sde_step(kind, xs[j], v[j], sig[k], sig[k + 1], cfg.noise_level,
+                                              prev_sample=rollout.states[idx, k + 1],
+                                              logprob_reduction=cfg.logprob_reduction)
+            ref_mean = None
+            if need_ref:
+                ref_mean, _ = kernel_mean_std(kind, xs[j], v_ref[j], sig[k], sig[k + 1], cfg.noise_level)
+            outs.append(StepOutput(log_prob=log_prob, mean=mean, std=std, ref_mean=ref_mean))
+        return outs
 
     def forward_step(self, rollout: Rollout, idx: torch.Tensor, k: int, need_ref: bool) -> StepOutput:
         """Re-score the stored transition ``x_k -> x_{k+1}`` of samples ``idx`` under the current policy."""
