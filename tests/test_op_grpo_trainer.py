@@ -457,8 +457,12 @@ def test_corrections_against_independent_computation(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ resume
-def test_resume_restores_buffer_and_matches_uninterrupted_run(tmp_path):
-    kw = dict(save_steps=2, learning_rate=1e-2, prompts_per_step=2, num_generations=2)
+@pytest.mark.parametrize("batch_replay_steps", [False, True])
+def test_resume_restores_buffer_and_matches_uninterrupted_run(tmp_path, batch_replay_steps):
+    """Also with ``batch_replay_steps`` (UniRL's batched replay, Tencent-Hunyuan/UniRL 0c97cfb8f458,
+    unirl/models/types/batched_replay.py:26): the resumed run equals the uninterrupted one bit for bit."""
+    kw = dict(save_steps=2, learning_rate=1e-2, prompts_per_step=2, num_generations=2,
+              batch_replay_steps=batch_replay_steps)
     full = make_trainer(tmp_path / "full", max_steps=4, **kw)
     full.train()
     half = make_trainer(tmp_path / "resumed", max_steps=2, **kw)

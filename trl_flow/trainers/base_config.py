@@ -105,8 +105,10 @@ class FlowRLConfig(metaclass=AcceptsTrlNames):  # TRL's GRPOConfig names (epsilo
         "back per term, each term's loss is the method's own, and one backward of their sum, weighted as the "
         "per-term backwards are, replaces S. Transformer calls of the update: one per microbatch instead of S. "
         "Memory: S times the activations of one term (B*S rows in one forward). Results agree to float rounding, "
-        "not bit for bit: the rollout's log-probs were computed with B rows a call, so `ratio_first_max_dev` can be "
-        "~1e-7 instead of exactly 0 (OP-GRPO recomputes its anchor in the batched geometry: exactly 0)."))
+        "not bit for bit (gradients: one backward of the sum). The rollout scored each step with B rows a call, so "
+        "a kernel that picks its algorithm by row count (GPU, bf16) can make `ratio_first_max_dev` nonzero, where "
+        "the per-step path gives exactly 0; it is logged either way (fp32 CPU, tiny and 6-layer SD3: measured 0). "
+        "OP-GRPO recomputes its anchor in the batched geometry."))
     offload: str = field(default="none", metadata=meta("harmless",
         "`none`, or `model`: the text encoders and the VAE wait in CPU memory and move to the device only to encode "
         "prompts / decode images (saves their device memory during sampling and the update; results unchanged)."))
