@@ -420,7 +420,7 @@ class FlowRLTrainer:
     def term_batches(self, terms: list) -> list[list]:
         """The terms of a microbatch split, in order, into the batches computed together: one forward and one
         backward of their weighted sum each (:meth:`term_losses`). Default: each term alone (one backward per
-        term); the policy-gradient layer's ``batched_replay`` puts them all in one."""
+        term); with ``batch_replay_steps`` the policy-gradient layer and DiffusionNFT put them all in one."""
         return [[term] for term in terms]
 
     def term_losses(self, rollout: Rollout, idx: torch.Tensor, terms: list) -> list[tuple]:
