@@ -86,6 +86,66 @@ def step_samplers(sampler: str, num_steps: int, sde_steps: torch.Tensor | None) 
     return kinds
 
 
+def branch_step(step_kinds: list[str]) -> int:
+    """The first step with a stochastic kernel (``K`` if none): the steps before it are deterministic (ODE), so
+    trajectories that start from the same noise with the same conditioning agree up to it (``shared_prefix``)."""
+    return next((k for k, kind in enumerate(step_kinds) if kind != "ode"), len(step_kinds))
+
+
+def group_representatives(group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(first, inverse)``: the first row of each distinct group in ``group_ids`` (N,), in order of first
+    appearance, and for each row the index of its group in ``first`` (so ``first[inverse]`` is a row of the same
+    group). Works for any layout (``mixed`` scatters a group's rows)."""
+    ids = group_ids.tolist()
+    pos: dict[int, int] = {}
+    first, inverse = [], []
+    for i, g in enumerate(ids):
+        if g not in pos:
+            pos[g] = len(first)
+            first.append(i)
+        inverse.append(pos[g])
+    return torch.tensor(first, dtype=torch.long), torch.tensor(inverse, dtype=torch.long)
+
+
+@torch.no_grad()
+def sample_shared_prefix(adapter, model, embeds: PromptEmbeds, noise: torch.Tensor, group_ids: torch.Tensor,
+                         schedule: Schedule, step_kinds: list[str], batch_size: int, **kwargs) -> dict | None:
+    """The deterministic steps before :func:`branch_step`, run once per group (its first row's noise and
+    conditioning) instead of once per sample. Returns None when there is no such step, else ``{"step": s,
+    "inverse": (N,), "states": (P', K + 1, *L), "means", "log_probs", "velocities"?}`` of the P' groups' prefixes
+    (zeros after ``s``): :func:`sample_trajectories` continues each row from ``states[inverse, s]`` with
+    ``start_step=s`` and :func:`fill_prefix` copies the prefix into the rows. ``kwargs``: ``sample_trajectories``'
+    ``noise_level``, ``guidance_scale``, ``logprob_reduction``, ``autocast``, ``keep_velocities``.
+
+    The rows of a group must share their initial noise (``same_noise_per_group``): checked, a ValueError otherwise.
+    The conditioning of a group's rows (prompt embeddings, and an editing adapter's source image) is the group's, so
+    its first row's stands for all."""
+    s = branch_step(step_kinds)
+    if s == 0:
+        return None
+    first, inverse = group_representatives(group_ids.cpu())
+    first, inverse = first.to(noise.device), inverse.to(noise.device)
+    if not torch.equal(noise[first][inverse], noise):
+        raise ValueError("shared_prefix: the samples of a group do not share their initial noise; set "
+                         "same_noise_per_group=True (or shared_prefix=False)")
+    pre = sample_trajectories(adapter, model, index_embeds(embeds, first), noise[first], schedule, step_kinds,
+                              batch_size=batch_size, stop_step=s, store="trajectory", **kwargs)
+    return {"step": s, "inverse": inverse, **pre}
+
+
+def fill_prefix(traj: dict, prefix: dict) -> None:
+    """Copy a shared prefix (:func:`sample_shared_prefix`) into the rows of ``traj`` (sampled from
+    ``start_step=prefix["step"]``): states ``0 .. s - 1``, means, log-probs (zeros: deterministic steps) and
+    velocities of steps ``0 .. s - 1``, each row its group's. A ``store="final"`` trajectory keeps none of them."""
+    s, inv = prefix["step"], prefix["inverse"]
+    if traj["means"] is not None:
+        traj["states"][:, :s] = prefix["states"][inv, :s]
+        traj["means"][:, :s] = prefix["means"][inv, :s]
+    traj["log_probs"][:, :s] = prefix["log_probs"][inv, :s]
+    if traj.get("velocities") is not None:
+        traj["velocities"][:, :s] = prefix["velocities"][inv, :s]
+
+
 @torch.no_grad()
 def sample_trajectories(
     adapter: FlowAdapter,
@@ -101,6 +161,7 @@ def sample_trajectories(
     logprob_reduction: str = "mean",
     start_states: torch.Tensor | None = None,
     start_step: int = 0,
+    stop_step: int | None = None,
     autocast=None,
     keep_velocities: bool = False,
     on_chunk=None,
@@ -114,13 +175,15 @@ def sample_trajectories(
             a trajectory does not depend on ``batch_size`` or on the other samples).
         step_kinds: K kernel names, one per step (see :func:`step_samplers`).
         start_states: optional (N, *L) states at step ``start_step``: sampling resumes there (used to regenerate
-            the tail of a stored trajectory); the returned tensors still cover all K steps, with the steps before
-            ``start_step`` left as zeros for the caller to fill in.
+            the tail of a stored trajectory, or to branch a shared prefix: :func:`branch_step`); the returned tensors
+            still cover all K steps, with the steps before ``start_step`` left as zeros for the caller to fill in.
+        stop_step: run the steps ``start_step .. stop_step - 1`` only (default K): the states after ``stop_step``
+            stay zeros (a prefix that later calls continue from ``states[:, stop_step]``).
         keep_velocities: also return the guided velocity of every step.
         on_chunk: optional ``on_chunk(rows: slice, final_states (b, *L))``, called as each chunk finishes.
         store: ``"trajectory"`` (every state and kernel mean) or ``"final"`` (the final state alone: ``states`` is
-            (N, 1, *L) and ``means`` None; log-probs and stds are kept, N K + K floats). ``"final"`` cannot resume
-            from ``start_states`` nor keep velocities.
+            (N, 1, *L) and ``means`` None; log-probs and stds are kept, N K + K floats). ``"final"`` cannot keep
+            velocities; resumed at ``start_step`` it leaves nothing to fill in but zero log-probs before it.
 
     Returns:
         ``states`` (N, K + 1, *L), ``log_probs`` (N, K), ``means`` (N, K, *L), ``stds`` (K,), and with
@@ -129,14 +192,16 @@ def sample_trajectories(
     if store not in ROLLOUT_STORES:
         raise ValueError(f"store={store!r}: must be one of {ROLLOUT_STORES}")
     final_only = store == "final"
-    if final_only and (start_step or keep_velocities):
-        raise ValueError("store='final' keeps no intermediate state: it cannot resume from start_states at a later "
-                         "step nor keep velocities")
+    if final_only and keep_velocities:
+        raise ValueError("store='final' keeps no intermediate state: it cannot keep velocities")
     autocast = autocast or contextlib.nullcontext
     x_all = noise if start_states is None else start_states
     if x_all is None:
         raise ValueError("sample_trajectories: pass noise or start_states")
     n, K = x_all.shape[0], schedule.num_steps
+    stop = K if stop_step is None else stop_step
+    if not 0 <= start_step <= stop <= K:
+        raise ValueError(f"sample_trajectories: need 0 <= start_step={start_step} <= stop_step={stop} <= K={K}")
     sig = schedule.sigmas
     states = torch.zeros((n, 1 if final_only else K + 1, *x_all.shape[1:]), dtype=torch.float32, device=x_all.device)
     means = None if final_only else torch.zeros((n, K, *x_all.shape[1:]), dtype=torch.float32, device=x_all.device)
@@ -154,7 +219,7 @@ def sample_trajectories(
         emb = index_embeds(embeds, idx)
         if not final_only:
             states[idx, start_step] = x
-        for k in range(start_step, K):
+        for k in range(start_step, stop):
             with autocast():
                 v = adapter.velocity(model, x, schedule.timesteps[k], emb, guidance_scale)
             x, lp, mean, std = sde_step(
