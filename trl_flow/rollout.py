@@ -24,7 +24,7 @@ from .kernels import kernel_mean_std, sde_step
 from .models import FlowAdapter, PromptEmbeds, Schedule, cat_embeds, index_embeds
 
 #: What a rollout keeps (:func:`sample_trajectories`' ``store``).
-ROLLOUT_STORES = ("trajectory", "final")
+ROLLOUT_STORES = ("trajectory", "final", "trained")
 
 
 @dataclass
@@ -66,9 +66,56 @@ class Rollout:
     advantages: torch.Tensor | None = None
     extras: dict = field(default_factory=dict)
     velocities: torch.Tensor | None = None
+    state_steps: list[int] | None = None
+    mean_steps: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.prompts)
+
+    # Stored steps: ``store="trained"`` keeps the states ``state_steps`` (sorted schedule indices: each kept step k,
+    # k + 1, and K), the means (and log-prob-free velocities) of ``mean_steps`` / the state steps below K; None: all.
+    # Read them through state / mean / velocity, which take schedule indices, so no consumer holds an index map.
+    def _at(self, t: torch.Tensor, steps: list[int] | None, idx, k, what: str) -> torch.Tensor:
+        if steps is not None:
+            pos = torch.full((max(steps) + 1,), -1, dtype=torch.long)
+            pos[torch.tensor(steps)] = torch.arange(len(steps))
+            kk = torch.as_tensor(k).cpu()
+            if bool((kk > max(steps)).any()) or bool((pos[kk.clamp(max=max(steps))] < 0).any()):
+                raise KeyError(f"Rollout.{what}: step(s) {kk.tolist()} not stored (stored: {steps}; the rollout "
+                               "keeps only the trained steps: trajectory_storage='trained')")
+            k = pos[kk] if kk.ndim else int(pos[kk])
+        device = idx.device if torch.is_tensor(idx) else t.device
+        if torch.is_tensor(idx):
+            idx = idx.to(t.device)
+        if torch.is_tensor(k):
+            k = k.to(t.device)
+        return t[idx, k].to(device, non_blocking=True)
+
+    def state(self, idx, k) -> torch.Tensor:
+        """States ``x_k`` of samples ``idx`` (k: a schedule index, or a tensor of one per sample), on ``idx``'s
+        device (the rollout may be stored on the CPU: ``offload_rollout_to_cpu``)."""
+        return self._at(self.states, self.state_steps, idx, k, "state")
+
+    def mean(self, idx, k) -> torch.Tensor:
+        """Behaviour kernel means of step ``k`` of samples ``idx``, on ``idx``'s device."""
+        return self._at(self.means, self.mean_steps, idx, k, "mean")
+
+    def velocity(self, idx, k) -> torch.Tensor:
+        """Guided behaviour velocities at ``x_k`` of samples ``idx`` (``keep_velocities``), on ``idx``'s device."""
+        steps = None if self.state_steps is None else [j for j in self.state_steps if j < self.schedule.num_steps]
+        return self._at(self.velocities, steps, idx, k, "velocity")
+
+    def stored_bytes(self) -> int:
+        """Bytes of the stored trajectory tensors: states, means, velocities, log-probs."""
+        return sum(t.numel() * t.element_size() for t in (self.states, self.means, self.velocities, self.log_probs)
+                   if t is not None)
+
+    def to_storage(self, device) -> None:
+        """Move the stored trajectory tensors (states, means, velocities) to ``device`` (the CPU: offload)."""
+        for name in ("states", "means", "velocities"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.to(device))
 
     def trained_steps(self) -> list[int]:
         """The steps with a density (stochastic kernel, std > 0). A function of the schedule and kernels alone, so
@@ -135,15 +182,26 @@ def sample_shared_prefix(adapter, model, embeds: PromptEmbeds, noise: torch.Tens
 
 def fill_prefix(traj: dict, prefix: dict) -> None:
     """Copy a shared prefix (:func:`sample_shared_prefix`) into the rows of ``traj`` (sampled from
-    ``start_step=prefix["step"]``): states ``0 .. s - 1``, means, log-probs (zeros: deterministic steps) and
-    velocities of steps ``0 .. s - 1``, each row its group's. A ``store="final"`` trajectory keeps none of them."""
+    ``start_step=prefix["step"]``): the stored states ``0 .. s - 1``, means, log-probs (zeros: deterministic steps)
+    and velocities of steps ``0 .. s - 1``, each row its group's. A ``store="final"`` trajectory keeps none of them,
+    a ``store="trained"`` one those of its kept steps (``state_steps``, ``mean_steps``)."""
     s, inv = prefix["step"], prefix["inverse"]
-    if traj["means"] is not None:
-        traj["states"][:, :s] = prefix["states"][inv, :s]
-        traj["means"][:, :s] = prefix["means"][inv, :s]
     traj["log_probs"][:, :s] = prefix["log_probs"][inv, :s]
+    if traj["means"] is None:
+        return
+    K = prefix["log_probs"].shape[1]
+    state_steps = traj.get("state_steps", range(K + 1))
+    mean_steps = traj.get("mean_steps", range(K))
+    for i, j in enumerate(state_steps):
+        if j < s:
+            traj["states"][:, i] = prefix["states"][inv, j]
+    for i, j in enumerate(mean_steps):
+        if j < s:
+            traj["means"][:, i] = prefix["means"][inv, j]
     if traj.get("velocities") is not None:
-        traj["velocities"][:, :s] = prefix["velocities"][inv, :s]
+        for i, j in enumerate(j for j in state_steps if j < K):
+            if j < s:
+                traj["velocities"][:, i] = prefix["velocities"][inv, j]
 
 
 @torch.no_grad()
@@ -166,6 +224,7 @@ def sample_trajectories(
     keep_velocities: bool = False,
     on_chunk=None,
     store: str = "trajectory",
+    keep_steps: list[int] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Run the sampler over a batch in chunks of ``batch_size``.
 
@@ -184,6 +243,10 @@ def sample_trajectories(
         store: ``"trajectory"`` (every state and kernel mean) or ``"final"`` (the final state alone: ``states`` is
             (N, 1, *L) and ``means`` None; log-probs and stds are kept, N K + K floats). ``"final"`` cannot keep
             velocities; resumed at ``start_step`` it leaves nothing to fill in but zero log-probs before it.
+            ``"trained"``: the transitions of ``keep_steps`` alone (Flow-Factory's ``trajectory_indices``): states
+            (N, S, *L) at ``state_steps`` = the sorted {k, k + 1 for k in keep_steps} and K, means (N, M, *L) at
+            ``mean_steps`` = keep_steps, velocities at the state steps below K (read with :meth:`Rollout.state`,
+            :meth:`Rollout.mean`, :meth:`Rollout.velocity`).
 
     Returns:
         ``states`` (N, K + 1, *L), ``log_probs`` (N, K), ``means`` (N, K, *L), ``stds`` (K,), and with
@@ -203,10 +266,22 @@ def sample_trajectories(
     if not 0 <= start_step <= stop <= K:
         raise ValueError(f"sample_trajectories: need 0 <= start_step={start_step} <= stop_step={stop} <= K={K}")
     sig = schedule.sigmas
-    states = torch.zeros((n, 1 if final_only else K + 1, *x_all.shape[1:]), dtype=torch.float32, device=x_all.device)
-    means = None if final_only else torch.zeros((n, K, *x_all.shape[1:]), dtype=torch.float32, device=x_all.device)
-    log_probs = torch.zeros((n, K), dtype=torch.float32, device=x_all.device)
-    velocities = torch.zeros_like(means) if keep_velocities else None
+    if store == "trained":
+        if keep_steps is None:
+            raise ValueError("store='trained' needs keep_steps, the steps whose transition is kept")
+        mean_steps = sorted(set(keep_steps))
+        state_steps = sorted({j for k in mean_steps for j in (k, k + 1)} | {K})
+    else:
+        mean_steps = [] if final_only else list(range(K))
+        state_steps = [K] if final_only else list(range(K + 1))
+    spos = {j: i for i, j in enumerate(state_steps)}
+    mpos = {j: i for i, j in enumerate(mean_steps)}
+    vpos = {j: i for i, j in enumerate(j for j in state_steps if j < K)}
+    lat, dev = x_all.shape[1:], x_all.device
+    states = torch.zeros((n, len(state_steps), *lat), dtype=torch.float32, device=dev)
+    means = None if final_only else torch.zeros((n, len(mean_steps), *lat), dtype=torch.float32, device=dev)
+    log_probs = torch.zeros((n, K), dtype=torch.float32, device=dev)
+    velocities = torch.zeros((n, len(vpos), *lat), dtype=torch.float32, device=dev) if keep_velocities else None
     # The std of a step depends only on the schedule and the kernel, not on the state.
     probe = torch.zeros(1, 1, device=x_all.device)
     stds = torch.stack([
@@ -217,8 +292,8 @@ def sample_trajectories(
         idx = slice(lo, min(lo + batch_size, n))
         x = x_all[idx].float()
         emb = index_embeds(embeds, idx)
-        if not final_only:
-            states[idx, start_step] = x
+        if start_step in spos:
+            states[idx, spos[start_step]] = x
         for k in range(start_step, stop):
             with autocast():
                 v = adapter.velocity(model, x, schedule.timesteps[k], emb, guidance_scale)
@@ -227,17 +302,18 @@ def sample_trajectories(
                 generator=generator[idx] if isinstance(generator, list) else generator,
                 logprob_reduction=logprob_reduction,
             )
-            if not final_only:
-                states[idx, k + 1] = x
-                means[idx, k] = mean
+            if k + 1 in spos:
+                states[idx, spos[k + 1]] = x
+            if k in mpos:
+                means[idx, mpos[k]] = mean
             log_probs[idx, k] = lp
-            if keep_velocities:
-                velocities[idx, k] = v
-        if final_only:
-            states[idx, 0] = x
+            if keep_velocities and k in vpos:
+                velocities[idx, vpos[k]] = v
         if on_chunk is not None:
             on_chunk(idx, states[idx, -1])
     out = {"states": states, "log_probs": log_probs, "means": means, "stds": stds}
+    if store == "trained":
+        out.update(state_steps=state_steps, mean_steps=mean_steps)
     if keep_velocities:
         out["velocities"] = velocities
     return out
@@ -251,8 +327,9 @@ def concat_rollouts(parts: list[Rollout]) -> Rollout:
         return first
     for p in parts[1:]:
         if (not torch.equal(p.schedule.sigmas, first.schedule.sigmas) or not torch.equal(p.stds, first.stds)
-                or p.extras.get("step_kinds") != first.extras.get("step_kinds")):
-            raise ValueError("concat_rollouts: rollouts must share the schedule and step kinds")
+                or p.extras.get("step_kinds") != first.extras.get("step_kinds")
+                or (p.state_steps, p.mean_steps) != (first.state_steps, first.mean_steps)):
+            raise ValueError("concat_rollouts: rollouts must share the schedule, step kinds and stored steps")
 
     # scoring started during sampling (reward_num_workers) carries over, in order, when every part has it
     pending = [p.extras.get("pending_scores") for p in parts]
@@ -274,5 +351,7 @@ def concat_rollouts(parts: list[Rollout]) -> Rollout:
         stds=first.stds,
         train_mask=cat("train_mask"),
         velocities=cat("velocities"),
+        state_steps=first.state_steps,
+        mean_steps=first.mean_steps,
         extras={"step_kinds": first.extras.get("step_kinds"), **pending},
     )

@@ -96,6 +96,13 @@ class FlowRLTrainer:
     #: What the rollout keeps (:data:`trl_flow.rollout.ROLLOUT_STORES`): every state and kernel mean
     #: (``"trajectory"``), or the final samples alone (``"final"``, DiffusionNFT).
     rollout_store = "trajectory"
+    #: Keep the rollout's trajectory tensors in CPU memory (a method whose config asks for it sets this).
+    offload_rollout = False
+
+    def stored_steps(self, step_kinds: list[str]) -> list[int] | None:
+        """With ``rollout_store = "trained"``: the steps whose transitions the rollout keeps (see
+        :func:`~trl_flow.rollout.sample_trajectories`)."""
+        return None
 
     # ------------------------------------------------------------------------------------------------ set-up
     def __init__(self, config=None, pipe=None, reward_funcs=None, train_dataset=None, eval_dataset=None, *,
@@ -298,7 +305,8 @@ class FlowRLTrainer:
             batch_size=cfg.per_device_train_batch_size,
             generator=self.sample_generators(step, generator_purpose, sample_ids, len(prompts)),
             start_states=None if start_states is None else start_states.to(self.device), start_step=start_step,
-            store=self.rollout_store, on_chunk=None if scoring is None else scoring.submit, **common,
+            store=self.rollout_store, keep_steps=self.stored_steps(kinds), **common,
+            on_chunk=None if scoring is None else scoring.submit,
         )
         if prefix is not None:
             fill_prefix(traj, prefix)
@@ -307,8 +315,11 @@ class FlowRLTrainer:
             prompts=list(prompts), columns=columns, group_ids=group_ids, embeds=embeds, schedule=schedule,
             states=traj["states"], log_probs=traj["log_probs"], means=traj["means"], stds=traj["stds"],
             train_mask=stochastic[None, :].expand(len(prompts), K).clone(), velocities=traj.get("velocities"),
+            state_steps=traj.get("state_steps"), mean_steps=traj.get("mean_steps"),
         )
         rollout.extras["step_kinds"] = kinds
+        if self.offload_rollout:  # kept in CPU memory; the update reads each microbatch through Rollout.state
+            rollout.to_storage("cpu")
         if scoring is not None:  # decoded and scored in the background; score() collects it
             rollout.extras["pending_scores"] = [scoring]
         return rollout
@@ -353,7 +364,7 @@ class FlowRLTrainer:
             rollout.images, rollout.rewards, rollout.rewards_per_func, reward_s = collect_scores(pending, len(rollout))
             rollout.extras.setdefault("metrics", {})["time/reward_wait_s"] = time.perf_counter() - t0
         else:
-            rollout.images = self.decode(rollout.states[:, -1])
+            rollout.images = self.decode(rollout.states[:, -1].to(self.device))
             t0 = time.perf_counter()
             rollout.rewards, rollout.rewards_per_func = self.reward(rollout.images, rollout.prompts, rollout.columns)
             reward_s = time.perf_counter() - t0
