@@ -5,7 +5,8 @@ For each sample the rollout stores every state ``x_0 .. x_K``, the per-step beha
 process, ``K`` the number of sampling steps, ``L`` the latent shape (e.g. C, h, w; video: C, F', h, w).
 A trainer that needs only the samples (DiffusionNFT trains on the final latents) asks for ``store="final"``:
 ``states`` is then (N, 1, *L), the final state alone, and no kernel means are kept (``N prod(L) 4`` bytes instead
-of ``N (2K + 1) prod(L) 4``).
+of ``N (2K + 1) prod(L) 4``). ``store="trained"`` keeps the transitions the update can train: for W trained steps,
+at most ``N (3W + 1) prod(L) 4`` bytes of states and means (:meth:`Rollout.stored_bytes` counts them).
 
 Memory: states and means take ``N (K + 1) prod(L) 4 + N K prod(L) 4`` bytes (float32), plus ``5 N K`` for the
 log-probs and train mask and ``N prod(O) 4`` for the decoded samples of shape O; the exact count is
@@ -48,6 +49,10 @@ class Rollout:
         advantages: (N,) or (N, K) float32, set by the trainer.
         velocities: (N, K, *L) float32 guided velocities of the behaviour policy at each state, or None (kept
             only when the trainer asks for them: ``FlowRLTrainer.keep_velocities``).
+        state_steps, mean_steps: the schedule indices of the stored states / means when sampled with
+            ``store="trained"`` (``trajectory_storage="trained"``): then ``states`` is (N, len(state_steps), *L),
+            ``means`` (N, len(mean_steps), *L) and ``velocities`` holds the state steps below K; None: all. Read
+            them with :meth:`state`, :meth:`mean` and :meth:`velocity`, which take schedule indices.
     """
 
     prompts: list[str]
@@ -72,9 +77,8 @@ class Rollout:
     def __len__(self) -> int:
         return len(self.prompts)
 
-    # Stored steps: ``store="trained"`` keeps the states ``state_steps`` (sorted schedule indices: each kept step k,
-    # k + 1, and K), the means (and log-prob-free velocities) of ``mean_steps`` / the state steps below K; None: all.
-    # Read them through state / mean / velocity, which take schedule indices, so no consumer holds an index map.
+    # The accessors map schedule indices to stored positions (state_steps / mean_steps), so no consumer holds an
+    # index map, and return rows on the index's device (the stored tensors may sit on the CPU).
     def _at(self, t: torch.Tensor, steps: list[int] | None, idx, k, what: str) -> torch.Tensor:
         if steps is not None:
             pos = torch.full((max(steps) + 1,), -1, dtype=torch.long)
