@@ -87,8 +87,10 @@ def test_compute_loss_matches_the_flow_grpo_objective(make_trainer):
     adv = torch.tensor([1.0, -2.0, 0.5, 3.0])
     mask = torch.tensor([[True] * K, [True] * K, [True] * K, [False] * K])  # sample 3 has no reward
     schedule = Schedule(sigmas=torch.tensor([1.0, 0.8, 0.5, 0.0]), timesteps=torch.tensor([1000.0, 800.0, 500.0]))
-    rollout = SimpleNamespace(log_probs=old, advantages=adv, train_mask=mask, schedule=schedule,
-                              means=torch.zeros(B, K, 2, 2), extras={"step_kinds": ["flow_sde", "flow_sde", "ode"]})
+    means = torch.zeros(B, K, 2, 2)
+    rollout = SimpleNamespace(log_probs=old, advantages=adv, train_mask=mask, schedule=schedule, means=means,
+                              mean=lambda idx, k: means[idx, k],  # Rollout.mean
+                              extras={"step_kinds": ["flow_sde", "flow_sde", "ode"]})
     new_lp = torch.tensor([-0.8, 0.3, 2.05, 7.0], requires_grad=True)
     mean = torch.zeros(B, 2, 2)
     ref_mean = torch.stack([torch.full((2, 2), 0.1 * i) for i in range(B)])
