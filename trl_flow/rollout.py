@@ -254,7 +254,8 @@ def sample_trajectories(
 
     Returns:
         ``states`` (N, K + 1, *L), ``log_probs`` (N, K), ``means`` (N, K, *L), ``stds`` (K,), and with
-        ``keep_velocities`` ``velocities`` (N, K, *L).
+        ``keep_velocities`` ``velocities`` (N, K, *L); with ``store="trained"`` the kept steps' tensors and
+        ``state_steps``, ``mean_steps``.
     """
     if store not in ROLLOUT_STORES:
         raise ValueError(f"store={store!r}: must be one of {ROLLOUT_STORES}")
