@@ -4,7 +4,8 @@ Every trainer class that ``trl_flow`` exports is trained on the tiny pipeline; p
 trajectories, log-probs, rewards and advantages are recorded, then the LoRA and (OP-GRPO) a hash of the replay
 buffer on each process.
 
-    ACCELERATE_USE_CPU=1 python -m torch.distributed.run --nproc_per_node 2 tests/multiprocess_worker.py OUT NAMES
+    ACCELERATE_USE_CPU=1 python -m torch.distributed.run --nproc_per_node 2 tests/multiprocess_worker.py OUT NAMES \
+        [CONFIG_OVERRIDES_JSON]
 """
 
 from __future__ import annotations
@@ -83,13 +84,13 @@ def buffer_hash(trainer) -> str | None:
     return h.hexdigest()
 
 
-def main(out_root: str, names: list[str]) -> None:
+def main(out_root: str, names: list[str], overrides: dict | None = None) -> None:
     import trl_flow
     from safetensors.torch import save_file
 
     torch.set_num_threads(1)
     for name in names:
-        tr = make_trainer(getattr(trl_flow, name), os.path.join(out_root, name))
+        tr = make_trainer(getattr(trl_flow, name), os.path.join(out_root, name), **(overrides or {}))
         records = record_iterations(tr)
         tr.train()
         rank = tr.accelerator.process_index
@@ -107,4 +108,4 @@ def main(out_root: str, names: list[str]) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    main(sys.argv[1], sys.argv[2].split(","))
+    main(sys.argv[1], sys.argv[2].split(","), json.loads(sys.argv[3]) if len(sys.argv) > 3 else None)

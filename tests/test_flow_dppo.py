@@ -148,6 +148,7 @@ def test_compute_loss_matches_the_masked_objective(tmp_path):
     means[:, 1] = torch.tensor([0.0, 0.1, 0.3, 0.05, 0.2])[:, None, None]  # mu_old at step 1
     schedule = Schedule(sigmas=torch.tensor([1.0, 0.8, 0.5, 0.0]), timesteps=torch.tensor([1000.0, 800.0, 500.0]))
     rollout = SimpleNamespace(log_probs=old, advantages=adv, train_mask=mask, schedule=schedule, means=means,
+                              mean=lambda idx, k: means[idx, k],  # Rollout.mean
                               extras={"step_kinds": ["flow_sde", "flow_sde", "ode"]})
     new_lp = torch.tensor([-0.8, 0.3, 2.05, -0.1, 1.0], requires_grad=True)
     ref_mean = torch.stack([torch.full((2, 2), 0.1 * i) for i in range(B)])

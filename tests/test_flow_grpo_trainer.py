@@ -87,8 +87,10 @@ def test_compute_loss_matches_the_flow_grpo_objective(make_trainer):
     adv = torch.tensor([1.0, -2.0, 0.5, 3.0])
     mask = torch.tensor([[True] * K, [True] * K, [True] * K, [False] * K])  # sample 3 has no reward
     schedule = Schedule(sigmas=torch.tensor([1.0, 0.8, 0.5, 0.0]), timesteps=torch.tensor([1000.0, 800.0, 500.0]))
-    rollout = SimpleNamespace(log_probs=old, advantages=adv, train_mask=mask, schedule=schedule,
-                              means=torch.zeros(B, K, 2, 2), extras={"step_kinds": ["flow_sde", "flow_sde", "ode"]})
+    means = torch.zeros(B, K, 2, 2)
+    rollout = SimpleNamespace(log_probs=old, advantages=adv, train_mask=mask, schedule=schedule, means=means,
+                              mean=lambda idx, k: means[idx, k],  # Rollout.mean
+                              extras={"step_kinds": ["flow_sde", "flow_sde", "ode"]})
     new_lp = torch.tensor([-0.8, 0.3, 2.05, 7.0], requires_grad=True)
     mean = torch.zeros(B, 2, 2)
     ref_mean = torch.stack([torch.full((2, 2), 0.1 * i) for i in range(B)])
@@ -202,23 +204,29 @@ def _resume_config(tmp_path, name, **kw):
                        learning_rate=3e-3, **kw)
 
 
-def test_resume_repeats_an_uninterrupted_run(tmp_path, fresh_pipe):
+#: shared_prefix (tests/test_shared_prefix.py): window of 1 in [0, 3): branch steps 0, 1, 0, 1 at iterations 1-4.
+SHARED_PREFIX = dict(same_noise_per_group=True, shared_prefix=True, sde_window_size=1, sde_window_range=3)
+
+
+@pytest.mark.parametrize("extra", [{}, SHARED_PREFIX], ids=["default", "shared_prefix"])
+def test_resume_repeats_an_uninterrupted_run(tmp_path, fresh_pipe, extra):
     ds = list(PROMPTS) + ["a house", "a tree", "a boat"]  # 7 prompts: iterations cross an epoch boundary
     torch.manual_seed(0)  # only matters if the trainer did not seed the LoRA init from config.seed itself
-    run_a = FlowGRPOTrainer(_resume_config(tmp_path, "a", max_steps=4), fresh_pipe(), [brightness], train_dataset=ds)
+    run_a = FlowGRPOTrainer(_resume_config(tmp_path, "a", max_steps=4, **extra), fresh_pipe(), [brightness],
+                            train_dataset=ds)
     run_a.train()
 
     torch.manual_seed(0)
-    run_b = FlowGRPOTrainer(_resume_config(tmp_path, "b", max_steps=2, save_steps=2), fresh_pipe(), [brightness],
-                            train_dataset=ds)
+    run_b = FlowGRPOTrainer(_resume_config(tmp_path, "b", max_steps=2, save_steps=2, **extra), fresh_pipe(),
+                            [brightness], train_dataset=ds)
     run_b.train()
     ckpt = tmp_path / "b" / "checkpoint-2"
     assert ckpt.is_dir()
     del run_b
 
     torch.manual_seed(1234)  # a different global RNG state: everything must come from the checkpoint
-    resumed = FlowGRPOTrainer(_resume_config(tmp_path, "b", max_steps=4, save_steps=2), fresh_pipe(), [brightness],
-                              train_dataset=ds)
+    resumed = FlowGRPOTrainer(_resume_config(tmp_path, "b", max_steps=4, save_steps=2, **extra), fresh_pipe(),
+                              [brightness], train_dataset=ds)
     resumed.train(resume_from_checkpoint=str(ckpt))
     assert resumed.state.global_step == 4
     wa, wb = lora_params(run_a), lora_params(resumed)
@@ -227,9 +235,11 @@ def test_resume_repeats_an_uninterrupted_run(tmp_path, fresh_pipe):
     for a, b in zip(run_a.ema.shadow_params, resumed.ema.shadow_params):
         assert torch.equal(a, b)
     for step in (3, 4):
-        for key in ("loss", "reward", "kl", "ratio_max"):
+        for key in ("loss", "reward", "kl", "ratio_max", "rows/rollout_transformer"):
             assert log_at(resumed, step, key) == log_at(run_a, step, key), (step, key)
     assert [e["step"] for e in resumed.state.log_history] == [1, 2, 3, 4]  # the history was restored too
+    if extra:  # iteration 4 branches at step 1: its prefix step ran on P rows, not P x G
+        assert log_at(resumed, 4, "rows/rollout_transformer") < log_at(resumed, 3, "rows/rollout_transformer")
 
 
 def test_save_total_limit_rotates_checkpoints(make_trainer, tmp_path):

@@ -171,3 +171,36 @@ def test_a_tracked_run_keeps_its_processes_together_after_train(tmp_path):
     assert os.path.exists(tmp_path / "after" / "pytorch_lora_weights.safetensors")
     assert [open(tmp_path / f"exit{r}").read() for r in (0, 1)] == ["False", "False"]  # destroyed before exit
     assert any(n.startswith("events.out.tfevents") for n in os.listdir(tmp_path / "run" / "r"))  # tracked
+
+
+#: shared_prefix (tests/test_shared_prefix.py): seed 5 branches iteration 0 at step 2 of 4, and the mixed layout
+#: puts samples of both groups on each process, so each process computes the prefix of the groups it holds.
+SHARED_PREFIX = dict(same_noise_per_group=True, shared_prefix=True, sde_window_size=1, sde_window_range=3, seed=5)
+
+
+@pytest.mark.slow
+def test_shared_prefix_two_processes_match_one(tmp_path):
+    """Flow-GRPO with shared_prefix on 2 processes against 1: iteration 0's trajectories and rewards agree to
+    float rounding (a prefix GEMM's row count is the groups held locally), and so does the first update."""
+    from safetensors.torch import load_file
+
+    from trl_flow import FlowGRPOTrainer
+
+    out = tmp_path / "two"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           os.path.join(HERE, "multiprocess_worker.py"), str(out), "FlowGRPOTrainer", json.dumps(SHARED_PREFIX)]
+    proc = subprocess.run(cmd, env=_env(ACCELERATE_USE_CPU="1"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    two = load_file(str(out / "FlowGRPOTrainer.safetensors"))
+    one = mw.make_trainer(FlowGRPOTrainer, str(tmp_path / "one"), gradient_accumulation_steps=2, **SHARED_PREFIX)
+    records = mw.record_iterations(one)
+    one.train()
+    assert one.state.log_history[0]["rows/rollout_transformer"] == (8 * 4 - 2 * 2 * 3)  # s P (G - 1) rows fewer
+    for key in ("states", "log_probs", "rewards", "advantages"):
+        assert float((records[f"0/{key}"] - two[f"0/{key}"]).abs().max()) <= 1e-5, key
+    first = {k: load_file(str(d / "checkpoint-1" / "pytorch_lora_weights.safetensors"))
+             for k, d in (("one", tmp_path / "one"), ("two", out / "FlowGRPOTrainer"))}
+    update = max(float(v.abs().max()) for k, v in first["one"].items() if "lora_B" in k)
+    diff = max(float((first["one"][k] - first["two"][k]).abs().max()) for k in first["one"])
+    assert update > 2e-4 and diff < 1e-3 * update, (update, diff)
+

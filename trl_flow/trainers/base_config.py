@@ -174,6 +174,16 @@ class FlowRLConfig(metaclass=AcceptsTrlNames):  # TRL's GRPOConfig names (epsilo
         "Qwen-Image, Z-Image, FLUX.2: the text encoder's; pipelines without one ignore it)."))
     same_noise_per_group: bool = field(default=False, metadata=meta("notice",
         "Give all trajectories of a group the same initial noise."))
+    shared_prefix: bool = field(default=False, metadata=meta("notice",
+        "Needs same_noise_per_group. The deterministic (ODE) steps before an iteration's first stochastic step run "
+        "once per group, on one row, and the group's G samples branch from that state: those steps cost P rows "
+        "instead of P x G. Flow-GRPO-Fast (yifan123/flow_grpo README: sampling before branching needs a single "
+        "prompt without group expansion; scripts/train_sd3_fast.py at 74db691 keeps the sde_window_size ODE steps "
+        "but samples them per sample). The stored states before the branch are the group's (never trained), so "
+        "the update and the first ratio (exactly 1) are unchanged; results differ from False only in float rounding "
+        "(a GEMM's last bits depend on its row count). Nothing to share when the first step is stochastic "
+        "(sde_window_size 0 without a frozen expert); DiffusionNFT with a stochastic sampler shares its ODE steps "
+        "as well. Logged: rows/rollout_transformer."))
     sde_window_size: int = field(default=0, metadata=meta("notice",
         "Flow-GRPO-Fast / MixGRPO window: if > 0, only this many steps are stochastic (consecutive, start drawn in "
         "[0, sde_window_range); placed by `sde_steps_mode`), ODE elsewhere, and only they are trained. 0: every step "
@@ -364,6 +374,10 @@ class FlowRLConfig(metaclass=AcceptsTrlNames):  # TRL's GRPOConfig names (epsilo
                 need(rng >= 1 and rng + self.sde_window_size - 1 <= self.num_inference_steps - 1, "sde_window_range",
                      f"window starts in [0, {rng}) plus size {self.sde_window_size} must end before the last step "
                      f"({self.num_inference_steps - 1})")
+        need(isinstance(self.shared_prefix, bool), "shared_prefix", "must be True or False")
+        need(not self.shared_prefix or self.same_noise_per_group, "shared_prefix",
+             "needs same_noise_per_group=True: only samples that start from the same noise share their deterministic "
+             "steps; set same_noise_per_group=True or shared_prefix=False")
         if self.reward_weights is not None:
             need(all(math.isfinite(float(w)) for w in self.reward_weights), "reward_weights",
                  "weights must be finite numbers")

@@ -25,7 +25,7 @@ from ..kernels import gaussian_kl, kernel_mean_std
 from ..models import get_adapter, index_embeds
 from ..rewards import compute_rewards, validate_reward_funcs
 from ..rewards.scheduling import OverlappedScoring, collect_scores
-from ..rollout import Rollout, sample_trajectories, step_samplers
+from ..rollout import Rollout, fill_prefix, sample_shared_prefix, sample_trajectories, step_samplers
 from ..engine import checkpoints, distributed, guards, model_setup, prompt_encoding, tracking, train_loop
 from ..engine import output_dir as run_dir
 from ..engine import callbacks as callbacks_engine
@@ -38,14 +38,26 @@ from ..storage import LORA_WEIGHT_NAME  # noqa: F401  (re-exported)
 @contextlib.contextmanager
 def count_forwards(pipe, trained_components):
     """Counts forward passes while the block runs: ``{"transformer": ..., "text_encoder": ...}`` (the trained
-    transformer(s), every ``text_encoder*`` component); the hooks are removed at the end."""
-    calls = {"transformer": 0, "text_encoder": 0}
+    transformer(s), every ``text_encoder*`` component), and ``"transformer_rows"``: the latent rows the trained
+    transformer(s) saw (the batch size of each call's ``hidden_states``, so a true-CFG call counts its
+    conditional and unconditional rows); the hooks are removed at the end."""
+    calls = {"transformer": 0, "text_encoder": 0, "transformer_rows": 0}
+
+    def seen(module, args, kwargs, kind):
+        calls[kind] += 1
+        if kind == "transformer":
+            x = kwargs.get("hidden_states", args[0] if args else None)
+            if not torch.is_tensor(x):  # a model whose latent input has another name: its first tensor argument
+                x = next((v for v in (*args, *kwargs.values()) if torch.is_tensor(v)), None)
+            calls["transformer_rows"] += 0 if x is None else int(x.shape[0])
+
     hooks = []
     for name, module in pipe.components.items():
         kind = "transformer" if name in trained_components else "text_encoder" if name.startswith(
             "text_encoder") else None
         if kind is not None and isinstance(module, torch.nn.Module):
-            hooks.append(module.register_forward_pre_hook(lambda *_, k=kind: calls.__setitem__(k, calls[k] + 1)))
+            hooks.append(module.register_forward_pre_hook(lambda m, a, kw, k=kind: seen(m, a, kw, k),
+                                                          with_kwargs=True))
     try:
         yield calls
     finally:
@@ -87,6 +99,14 @@ class FlowRLTrainer:
     #: The hooks the layer's batched :meth:`term_losses` (``batch_replay_steps``) stands in for: a subclass that
     #: overrides one of them without its own ``term_losses`` is refused the field rather than silently bypassed.
     batched_term_hooks: tuple[str, ...] = ()
+
+    #: Keep the rollout's trajectory tensors in CPU memory (a method whose config asks for it sets this).
+    offload_rollout = False
+
+    def stored_steps(self, step_kinds: list[str]) -> list[int] | None:
+        """With ``rollout_store = "trained"``: the steps whose transitions the rollout keeps (see
+        :func:`~trl_flow.rollout.sample_trajectories`)."""
+        return None
 
     # ------------------------------------------------------------------------------------------------ set-up
     def __init__(self, config=None, pipe=None, reward_funcs=None, train_dataset=None, eval_dataset=None, *,
@@ -279,8 +299,10 @@ class FlowRLTrainer:
 
         ``noise``: (N, *L) initial states (default: :meth:`initial_noise`). ``start_states`` (N, *L) at
         ``start_step``: continue stored trajectories from there instead (the earlier states/log-probs of the
-        returned rollout are zeros, for the caller to fill). ``sample_ids`` (N,): the samples' indices in the
-        iteration over all processes (default: this process's slice), which seed their SDE noise."""
+        returned rollout are zeros, for the caller to fill). With ``shared_prefix`` (and no ``start_states``) the
+        deterministic steps before the first stochastic one run once per group and each sample continues from its
+        group's state (:func:`~trl_flow.rollout.sample_shared_prefix`). ``sample_ids`` (N,): the samples' indices
+        in the iteration over all processes (default: this process's slice), which seed their SDE noise."""
         cfg = self.config
         K = cfg.num_inference_steps
         embeds = self.encode(prompts, cfg.guidance_scale, columns)
@@ -291,22 +313,36 @@ class FlowRLTrainer:
         self.model.eval()
         scoring = None if not cfg.reward_num_workers else OverlappedScoring(
             cfg.reward_num_workers, self.decode, self.reward, prompts, columns, self.device)
+        common = dict(noise_level=cfg.noise_level, guidance_scale=cfg.guidance_scale,
+                      logprob_reduction=self.logprob_reduction, autocast=self._autocast,
+                      keep_velocities=self.keep_velocities)
+        prefix = None
+        if cfg.shared_prefix and start_states is None:  # the ODE steps before the branch: once per group
+            noise = noise.to(self.device)
+            prefix = sample_shared_prefix(self.adapter, self.model, embeds, noise, group_ids, schedule, kinds,
+                                          cfg.per_device_train_batch_size, **common)
+            if prefix is not None:
+                start_states, start_step = prefix["states"][prefix["inverse"], prefix["step"]], prefix["step"]
         traj = sample_trajectories(
             self.adapter, self.model, embeds, None if noise is None else noise.to(self.device), schedule, kinds,
-            cfg.noise_level, cfg.guidance_scale, cfg.per_device_train_batch_size,
+            batch_size=cfg.per_device_train_batch_size,
             generator=self.sample_generators(step, generator_purpose, sample_ids, len(prompts)),
-            logprob_reduction=self.logprob_reduction,
             start_states=None if start_states is None else start_states.to(self.device), start_step=start_step,
-            autocast=self._autocast, keep_velocities=self.keep_velocities, store=self.rollout_store,
+            store=self.rollout_store, keep_steps=self.stored_steps(kinds), **common,
             on_chunk=None if scoring is None else scoring.submit,
         )
+        if prefix is not None:
+            fill_prefix(traj, prefix)
         stochastic = torch.tensor([k != "ode" for k in kinds], device=self.device) & (traj["stds"] > 0)
         rollout = Rollout(
             prompts=list(prompts), columns=columns, group_ids=group_ids, embeds=embeds, schedule=schedule,
             states=traj["states"], log_probs=traj["log_probs"], means=traj["means"], stds=traj["stds"],
             train_mask=stochastic[None, :].expand(len(prompts), K).clone(), velocities=traj.get("velocities"),
+            state_steps=traj.get("state_steps"), mean_steps=traj.get("mean_steps"),
         )
         rollout.extras["step_kinds"] = kinds
+        if self.offload_rollout:  # kept in CPU memory; the update reads each microbatch through Rollout.state
+            rollout.to_storage("cpu")
         if scoring is not None:  # decoded and scored in the background; score() collects it
             rollout.extras["pending_scores"] = [scoring]
         return rollout
@@ -351,7 +387,7 @@ class FlowRLTrainer:
             rollout.images, rollout.rewards, rollout.rewards_per_func, reward_s = collect_scores(pending, len(rollout))
             rollout.extras.setdefault("metrics", {})["time/reward_wait_s"] = time.perf_counter() - t0
         else:
-            rollout.images = self.decode(rollout.states[:, -1])
+            rollout.images = self.decode(rollout.states[:, -1].to(self.device))
             t0 = time.perf_counter()
             rollout.rewards, rollout.rewards_per_func = self.reward(rollout.images, rollout.prompts, rollout.columns)
             reward_s = time.perf_counter() - t0
@@ -551,6 +587,8 @@ class FlowRLTrainer:
                         "throughput/iteration_images_per_s": n / max(t2 - t0, 1e-9),
                         "calls/rollout_transformer": rollout_calls["transformer"],
                         "calls/update_transformer": calls["transformer"] - rollout_calls["transformer"],
+                        "rows/rollout_transformer": rollout_calls["transformer_rows"],
+                        "rows/update_transformer": calls["transformer_rows"] - rollout_calls["transformer_rows"],
                         "calls/text_encoder": calls["text_encoder"]})
         metrics.update(rollout.extras.get("metrics", {}))
         if self.config.log_images_steps and (step + 1) % self.config.log_images_steps == 0:

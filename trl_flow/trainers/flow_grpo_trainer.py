@@ -60,7 +60,7 @@ class FlowGRPOTrainer(PolicyGradientTrainer):
         # per step or not
         adv = rollout.advantages[idx, k] if rollout.advantages.ndim == 2 else rollout.advantages[idx]
         weights = self.importance_weights(rollout, idx, k)
-        kl_old = old_policy_kl(rollout.means[idx, k], out.mean, self.kl_old_std(rollout, k, out))  # mu_old vs theta
+        kl_old = old_policy_kl(rollout.mean(idx, k), out.mean, self.kl_old_std(rollout, k, out))  # mu_old vs theta
         if cfg.trust_region == "kl_mask":
             loss, stats = kl_masked_policy_loss(out.log_prob, rollout.log_probs[idx, k], adv, kl_old,
                                                 cfg.resolved_kl_mask_delta, weights=weights, mode=cfg.kl_mask_mode)

@@ -126,6 +126,13 @@ class OPGRPOConfig(FlowGRPOConfig):
         if self.sde_window_size:
             raise ValueError(f"{name}.sde_window_size={self.sde_window_size}: OP-GRPO replays whole trajectory "
                 f"prefixes, whose stochastic steps must not move between iterations; use sde_window_size=0")
+        if self.trajectory_storage != "all":
+            raise ValueError(f"{name}.trajectory_storage={self.trajectory_storage!r}: OP-GRPO offers whole "
+                             "trajectory prefixes x_0..x_k_off to its replay buffer and regenerates their tails; "
+                             "use trajectory_storage='all'")
+        if self.offload_rollout_to_cpu:
+            raise ValueError(f"{name}.offload_rollout_to_cpu=True: OP-GRPO writes its off-policy corrected means "
+                             "into the stored rollout and copies replayed prefixes into it on the device; use False")
         P, G = self.prompts_per_step, self.num_generations
         if self.off_policy_fraction > 0 and not self.replay_sizes():
             raise ValueError(f"{name}.off_policy_fraction={self.off_policy_fraction}: with prompts_per_step={P} and "

@@ -13,6 +13,9 @@ from ..kernels import FIRST_STEP_STDS, KL_FORMS, REDUCTIONS
 from ..trust_region import DEFAULT_KL_MASK_DELTA, KL_MASK_MODES, TRUST_REGIONS
 from .base_config import FlowRLConfig
 
+#: ``trajectory_storage``: every state and mean, or those of the steps the update can train.
+TRAJECTORY_STORAGES = ("all", "trained")
+
 
 @dataclass
 class PolicyGradientConfig(FlowRLConfig):
@@ -49,9 +52,25 @@ class PolicyGradientConfig(FlowRLConfig):
         "and UniRL's rollout kernel); `clamp`: 1 - min(sigma, 0.99), UniRL's Flow-DPPO loss (flowdppo.py): 2.0x the "
         "step-0 std on SD3.5's 10-step schedule. Log-probs are unchanged."))
 
+    trajectory_storage: str = field(default="all", metadata=meta("harmless",
+        "What the rollout keeps for the update: `all` (every state x_0..x_K and kernel mean) or `trained` (the "
+        "states x_k and x_k+1 and the mean of each step the update can train, plus x_K: with a window of W of K "
+        "steps, (2W + 1) / (K + 1) of the states at most), as Flow-Factory's `trajectory_indices` "
+        "(X-GenGroup/Flow-Factory src/flow_factory/trainers/rl/grpo.py at b30dc00: compute_trajectory_indices of the "
+        "train steps). The update reads the same values: results are bit for bit those of `all`. OP-GRPO refuses it "
+        "(its buffer stores whole trajectory prefixes)."))
+    offload_rollout_to_cpu: bool = field(default=False, metadata=meta("harmless",
+        "Keep the rollout's states, means and velocities in CPU memory after sampling; the update moves each "
+        "microbatch's to the device (Flow-Factory's `offload_samples_to_cpu`, "
+        "src/flow_factory/hparams/training_args/_base.py at b30dc00). Saves their device memory during the update; "
+        "results unchanged. OP-GRPO refuses it (it writes corrected means into the stored rollout)."))
+
     def __post_init__(self):
         super().__post_init__()
         need = self._need
+        need(self.trajectory_storage in TRAJECTORY_STORAGES, "trajectory_storage",
+             f"must be one of {TRAJECTORY_STORAGES}")
+        need(isinstance(self.offload_rollout_to_cpu, bool), "offload_rollout_to_cpu", "must be True or False")
         need(self.sampler != "ode", "sampler",
              "`ode` has no log-prob and cannot be trained; use flow_sde, cps or ddim")
         need(self.timestep_fraction == 1 or not self.sde_window_size, "timestep_fraction",

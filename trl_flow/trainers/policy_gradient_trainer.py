@@ -39,6 +39,18 @@ class PolicyGradientTrainer(FlowRLTrainer):
     def logprob_reduction(self) -> str:
         return self.config.logprob_reduction
 
+    @property
+    def rollout_store(self) -> str:
+        return "trained" if self.config.trajectory_storage == "trained" else "trajectory"
+
+    @property
+    def offload_rollout(self) -> bool:
+        return self.config.offload_rollout_to_cpu
+
+    def stored_steps(self, step_kinds):
+        """The stochastic steps below ``num_train_timesteps``: every step :meth:`loss_terms` can train."""
+        return [k for k, kind in enumerate(step_kinds) if kind != "ode" and k < self.config.num_train_timesteps]
+
     # ------------------------------------------------------------------------------------ method interface
     def compute_loss(self, rollout: Rollout, idx: torch.Tensor, k: int, out: StepOutput):
         """Loss (scalar) of trained step ``k`` for the microbatch ``idx`` and per-sample stats {name: (B,)}."""
@@ -78,7 +90,7 @@ class PolicyGradientTrainer(FlowRLTrainer):
         cfg = self.config
         sig = rollout.schedule.sigmas
         S, B = len(ks), len(idx)
-        xs = [rollout.states[idx, k] for k in ks]
+        xs = [rollout.state(idx, k) for k in ks]
         x = torch.cat(xs)
         emb = index_embeds(rollout.embeds, idx.repeat(S))
         t = torch.stack([rollout.schedule.timesteps[k] for k in ks]).repeat_interleave(B)
@@ -93,7 +105,7 @@ class PolicyGradientTrainer(FlowRLTrainer):
         for j, k in enumerate(ks):
             kind = rollout.extras["step_kinds"][k]
             _, log_prob, mean, std = sde_step(kind, xs[j], v[j], sig[k], sig[k + 1], cfg.noise_level,
-                                              prev_sample=rollout.states[idx, k + 1],
+                                              prev_sample=rollout.state(idx, k + 1),
                                               logprob_reduction=cfg.logprob_reduction)
             ref_mean = None
             if need_ref:
@@ -106,14 +118,14 @@ class PolicyGradientTrainer(FlowRLTrainer):
         cfg = self.config
         kind = rollout.extras["step_kinds"][k]
         sig = rollout.schedule.sigmas
-        x = rollout.states[idx, k]
+        x = rollout.state(idx, k)
         emb = index_embeds(rollout.embeds, idx)
         t = rollout.schedule.timesteps[k]
         with self._autocast():
             v = self.adapter.velocity(self.model, x, t, emb, cfg.guidance_scale,
                                       detach_uncond=cfg.guidance_grad == "cond_only")
         _, log_prob, mean, std = sde_step(kind, x, v, sig[k], sig[k + 1], cfg.noise_level,
-                                          prev_sample=rollout.states[idx, k + 1],
+                                          prev_sample=rollout.state(idx, k + 1),
                                           logprob_reduction=cfg.logprob_reduction)
         ref_mean = None
         if need_ref:

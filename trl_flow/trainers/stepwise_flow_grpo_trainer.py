@@ -122,8 +122,8 @@ class StepwiseFlowGRPOTrainer(FlowGRPOTrainer):
         if rollout.velocities is None:
             raise ValueError("clean_estimate: the rollout has no velocities; sample it with a trainer whose "
                              "keep_velocities is True (StepwiseFlowGRPOTrainer.sample does)")
-        x = rollout.states[samples, steps].float()
-        v = rollout.velocities[samples, steps]
+        x = rollout.state(samples, steps).float()
+        v = rollout.velocity(samples, steps)
         grid = substep_sigmas(rollout.schedule.sigmas[steps], cfg.num_substeps)
         emb = index_embeds(rollout.embeds, samples)
         self.model.eval()
@@ -136,6 +136,11 @@ class StepwiseFlowGRPOTrainer(FlowGRPOTrainer):
         return x
 
     # ----------------------------------------------------------------------- 2. intermediate rewards
+    def stored_steps(self, step_kinds):
+        """Every stochastic step (not only those below num_train_timesteps): :meth:`estimated_steps` scores the
+        states around each of them."""
+        return [k for k, kind in enumerate(step_kinds) if kind != "ode"]
+
     def estimated_steps(self, rollout) -> list[int]:
         """The states whose intermediate reward a trained step's gain needs: ``k`` and ``k + 1`` for every
         trained step ``k``, without ``K`` (its reward is the final one)."""
@@ -213,8 +218,8 @@ class StepwiseFlowGRPOTrainer(FlowGRPOTrainer):
                 j = first[g]
                 if (j != i and rollout.prompts[i] == rollout.prompts[j]
                         and all(vals[i] == vals[j] for vals in rollout.columns.values())
-                        and torch.equal(rollout.states[i, k], rollout.states[j, k])
-                        and torch.equal(rollout.velocities[i, k], rollout.velocities[j, k])):
+                        and torch.equal(rollout.state(i, k), rollout.state(j, k))
+                        and torch.equal(rollout.velocity(i, k), rollout.velocity(j, k))):
                     shared[(i, k)] = j
         return shared
 
