@@ -37,6 +37,10 @@ CASES = {
                                                                  same_noise_per_group=True, shared_prefix=True)),
     "stepwise-window": (trl_flow.StepwiseFlowGRPOTrainer, dict(sde_window_size=2, sde_window_range=3)),
     "dppo-random": (trl_flow.FlowDPPOTrainer, dict(sde_window_size=2, sde_window_range=4, sde_steps_mode="random")),
+    # the Flow-GRPO-Fast settings together: batched replay reads the stored steps through Rollout.state too
+    "grpo-fast": (trl_flow.FlowGRPOTrainer, dict(sde_window_size=2, sde_window_range=3, same_noise_per_group=True,
+                                                 shared_prefix=True, batch_replay_steps=True,
+                                                 cache_prompt_embeds=True)),
 }
 
 
