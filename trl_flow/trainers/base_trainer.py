@@ -26,7 +26,8 @@ from ..models import get_adapter, index_embeds
 from ..rewards import compute_rewards, validate_reward_funcs
 from ..rewards.scheduling import OverlappedScoring, collect_scores
 from ..rollout import Rollout, sample_trajectories, step_samplers
-from ..engine import checkpoints, distributed, guards, model_setup, prompt_encoding, tracking, train_loop
+from ..engine import checkpoints, distributed, guards, model_setup, prompt_encoding, stored_embeds, tracking
+from ..engine import train_loop
 from ..engine import output_dir as run_dir
 from ..engine import callbacks as callbacks_engine
 from . import trl_compat
@@ -130,6 +131,10 @@ class FlowRLTrainer:
             from ..hub import check_hub_access
 
             check_hub_access(self.accelerator)
+        self._stored_embeds = None  # rows of datasets made by precompute_prompt_embeds: engine/stored_embeds.py
+        self.train_dataset = stored_embeds.take_stored(self, self.train_dataset, "train_dataset",
+                                                       config.guidance_scale)
+        self.eval_dataset = stored_embeds.take_stored(self, self.eval_dataset, "eval_dataset", self._eval_guidance())
         self.state = TrainerState()
         self.state.distributed = distributed.describe(self.accelerator)
         distributed.check_trainer(self)
@@ -226,7 +231,8 @@ class FlowRLTrainer:
             return prompt_encoding.encode_samples(self.adapter, prompts, columns, guidance_scale > 1,
                                                   self.config.max_sequence_length,
                                                   self.config.per_device_train_batch_size,
-                                                  cache=self._embed_cache, device=self.device)
+                                                  cache=self._embed_cache, device=self.device,
+                                                  stored=self._stored_embeds)
 
     def sample_prompts(self, step: int) -> tuple[list[str], dict[str, list], torch.Tensor]:
         """This iteration's samples on this process: prompts, other columns and global group ids (each of N)."""
@@ -579,11 +585,14 @@ class FlowRLTrainer:
         another network to sample with (the frozen reference copy), default the trained one."""
         cfg = self.config
         K = num_inference_steps or cfg.eval_num_inference_steps
-        gs = guidance_scale if guidance_scale is not None else (
-            cfg.eval_guidance_scale if cfg.eval_guidance_scale is not None else cfg.guidance_scale)
+        gs = guidance_scale if guidance_scale is not None else self._eval_guidance()
         states, _, _ = self._ode_trajectories(prompts, seed, K, gs, columns, model=model)
         latents = states[:, -1]
         return self.decode(latents, cfg.per_device_eval_batch_size), latents
+
+    def _eval_guidance(self) -> float:
+        cfg = self.config
+        return cfg.eval_guidance_scale if cfg.eval_guidance_scale is not None else cfg.guidance_scale
 
     @torch.no_grad()
     def kl_to_reference(self, prompts: list[str], seed: int = 0, sampler: str | None = None,
@@ -629,6 +638,7 @@ class FlowRLTrainer:
         ds = check_prompt_dataset(eval_dataset, "eval_dataset") if eval_dataset is not None else self.eval_dataset
         if eval_dataset is not None:
             editing.check_dataset_for(self.adapter, ds, "eval_dataset")
+            ds = stored_embeds.take_stored(self, ds, "eval_dataset", self._eval_guidance())
         if ds is None:
             raise ValueError("evaluate: no eval_dataset; pass one to the trainer or to evaluate()")
         acc = self.accelerator
