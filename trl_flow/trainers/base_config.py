@@ -211,6 +211,12 @@ class FlowRLConfig(metaclass=AcceptsTrlNames):  # TRL's GRPOConfig names (epsilo
         "ODE steps of the evaluation sampler (published: 40)."))
     eval_guidance_scale: float | None = field(default=None, metadata=meta("harmless",
         "Guidance of the evaluation (default: guidance_scale)."))
+    eval_height: int | None = field(default=None, metadata=meta("harmless",
+        "Image height of evaluation and `generate()` (Flow-Factory's separate eval resolution; flow_grpo issue #201); "
+        "None: `height`. A multiple of the pipeline's resolution multiple (checked at construction); text-to-image "
+        "and video pipelines only (an editing pipeline sizes its source conditioning for height x width)."))
+    eval_width: int | None = field(default=None, metadata=meta("harmless",
+        "Image width of evaluation and `generate()`, as `eval_height`; None: `width`."))
     per_device_eval_batch_size: int = field(default=16, metadata=meta("harmless",
         "Images per forward pass in evaluation."))
     logging_steps: int = field(default=1, metadata=meta("harmless", "Log metrics every this many iterations."))
@@ -277,6 +283,10 @@ class FlowRLConfig(metaclass=AcceptsTrlNames):  # TRL's GRPOConfig names (epsilo
                      "lora_r",
                      "logging_steps", "max_sequence_length"):
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "must be an integer >= 1")
+        for name in ("eval_height", "eval_width"):
+            need(getattr(self, name) is None or isinstance(getattr(self, name), int)
+                 and not isinstance(getattr(self, name), bool) and getattr(self, name) >= 1, name,
+                 "must be an integer >= 1, or None (the training size)")
         for name in ("eval_steps", "save_steps", "log_images_steps", "warmup_steps", "sde_window_size"):
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 0, name, "must be an integer >= 0")
         need(self.num_generations >= 2, "num_generations", "must be >= 2: a group of one has no relative advantage")

@@ -123,6 +123,7 @@ class FlowRLTrainer:
                 "(VAE scale factor x transformer patch size) for this pipeline"
             )
         self.adapter.check_size(config.height, config.width)
+        self._check_eval_size(factor)
         self.accelerator = distributed.make_accelerator(  # what the launch asked for, or an error
             config, find_unused_parameters=self.adapter.partial_forward)
         guards.check_launch(self.accelerator)
@@ -151,6 +152,31 @@ class FlowRLTrainer:
                                                        "eval_dataset": self.eval_dataset})
         self._no_reward = guards.NoRewardMonitor()
         callbacks_engine.attach(self, callbacks)  # transformers' TrainerCallbacks; fires on_init_end
+
+    @property
+    def eval_size(self) -> tuple[int, int]:
+        """(height, width) of evaluation and :meth:`generate`: ``eval_height`` / ``eval_width``, default the
+        training size."""
+        cfg = self.config
+        return (cfg.eval_height if cfg.eval_height is not None else cfg.height,
+                cfg.eval_width if cfg.eval_width is not None else cfg.width)
+
+    def _check_eval_size(self, factor: int) -> None:
+        height, width = self.eval_size
+        if (height, width) == (self.config.height, self.config.width):
+            return
+        if self.adapter.conditioning != "text":
+            raise ValueError(f"eval_height={self.config.eval_height}, eval_width={self.config.eval_width}: "
+                             f"{type(self.adapter).__name__} sizes its source-image conditioning for height x width; "
+                             "leave both None")
+        if height % factor or width % factor:
+            raise ValueError(f"eval_height={height}, eval_width={width}: must be multiples of {factor} (VAE scale "
+                             "factor x transformer patch size) for this pipeline; set eval_height / eval_width to "
+                             "multiples of it, or None (the training size)")
+        try:
+            self.adapter.check_size(height, width)
+        except ValueError as e:
+            raise ValueError(f"eval_height={height}, eval_width={width}: {e}") from None
 
     @property
     def logprob_reduction(self) -> str:
@@ -563,12 +589,14 @@ class FlowRLTrainer:
 
     @torch.no_grad()
     def _ode_trajectories(self, prompts: list[str], seed: int, num_inference_steps: int, guidance_scale: float,
-                          columns: dict | None = None, model=None):
-        """Deterministic trajectories of the current policy (or of ``model``) from noise seeded by ``seed``."""
+                          columns: dict | None = None, model=None, size: tuple[int, int] | None = None):
+        """Deterministic trajectories of the current policy (or of ``model``) from noise seeded by ``seed``, at
+        ``size`` (height, width; default the training size)."""
         cfg = self.config
-        noise = self.adapter.initial_noise(len(prompts), cfg.height, cfg.width, torch.Generator().manual_seed(seed))
+        height, width = size if size is not None else (cfg.height, cfg.width)
+        noise = self.adapter.initial_noise(len(prompts), height, width, torch.Generator().manual_seed(seed))
         embeds = self.encode(prompts, guidance_scale, columns)
-        schedule = self.adapter.schedule(num_inference_steps, cfg.height, cfg.width)
+        schedule = self.adapter.schedule(num_inference_steps, height, width)
         model = self.model if model is None else model
         model.eval()
         traj = sample_trajectories(self.adapter, model, embeds, noise.to(self.device), schedule,
@@ -580,13 +608,14 @@ class FlowRLTrainer:
     def generate(self, prompts: list[str], seed: int = 0, num_inference_steps: int | None = None,
                  guidance_scale: float | None = None, columns: dict | None = None,
                  model=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Deterministic (ODE) samples of the current policy: images (B, 3, H, W) in [0, 1] and latents.
+        """Deterministic (ODE) samples of the current policy: images (B, 3, H, W) in [0, 1] and latents, at
+        :attr:`eval_size` (``eval_height`` x ``eval_width``, default the training size).
         ``columns``: the prompts' dataset columns (an editing pipeline reads its source images there). ``model``:
         another network to sample with (the frozen reference copy), default the trained one."""
         cfg = self.config
         K = num_inference_steps or cfg.eval_num_inference_steps
         gs = guidance_scale if guidance_scale is not None else self._eval_guidance()
-        states, _, _ = self._ode_trajectories(prompts, seed, K, gs, columns, model=model)
+        states, _, _ = self._ode_trajectories(prompts, seed, K, gs, columns, model=model, size=self.eval_size)
         latents = states[:, -1]
         return self.decode(latents, cfg.per_device_eval_batch_size), latents
 
