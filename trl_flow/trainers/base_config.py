@@ -11,6 +11,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from ..config_fields import meta
+from ..engine.compute_options import check_attention_backend_name
 
 from ..advantages import SCALE_REWARDS
 from ..kernels import SAMPLERS
@@ -96,6 +97,16 @@ class FlowRLConfig(metaclass=AcceptsTrlNames):  # TRL's GRPOConfig names (epsilo
         "Keep every prompt's embeddings (on the CPU) across iterations and evaluations, keyed by all they depend on, "
         "so the text encoders run once per distinct prompt; results are bit for bit those of encoding each time "
         "(Flow-Factory, DanceGRPO and UniRL precompute or cache them). Memory: one embedding per distinct prompt."))
+    attention_backend: str | None = field(default=None, metadata=meta("notice",
+        "Attention backend of the trained transformer(s), set at set-up with diffusers' `set_attention_backend` "
+        "(Flow-Factory's option; verl-omni uses FA3): a diffusers AttentionBackendName value (`native`, `flash`, "
+        "`_flash_3`, `sage`, `flex`, ...; diffusers also makes it the process's active backend). None: the "
+        "pipeline's own. A backend that cannot run here (missing package, GPU-only on a CPU) is refused at start."))
+    compile_repeated_blocks: bool = field(default=False, metadata=meta("notice",
+        "Regional compilation (Flow-Factory's name; diffusers ModelMixin.compile_repeated_blocks): torch.compile "
+        "each repeated transformer block of the trained transformer(s) at set-up, after the LoRA is added. "
+        "Numerically on-policy but not bit-exact (Flow-Factory: ~1e-5 ratio residual); the first ratio's deviation "
+        "is logged as ratio_first_max_dev (policy-gradient methods). The first iterations pay the compilation."))
     offload: str = field(default="none", metadata=meta("harmless",
         "`none`, or `model`: the text encoders and the VAE wait in CPU memory and move to the device only to encode "
         "prompts / decode images (saves their device memory during sampling and the update; results unchanged)."))
@@ -343,6 +354,9 @@ class FlowRLConfig(metaclass=AcceptsTrlNames):  # TRL's GRPOConfig names (epsilo
              and self.guidance_scale_2 >= 0, "guidance_scale_2",
              "must be a finite number >= 0, or None (= guidance_scale)")
         need(self.lr_scheduler_type in LR_SCHEDULERS, "lr_scheduler_type", f"must be one of {LR_SCHEDULERS}")
+        need(check_attention_backend_name(self.attention_backend) is None, "attention_backend",
+             str(check_attention_backend_name(self.attention_backend)))
+        need(isinstance(self.compile_repeated_blocks, bool), "compile_repeated_blocks", "must be True or False")
         need(self.offload in OFFLOAD_MODES, "offload", f"must be one of {OFFLOAD_MODES}")
         need(self.per_device_reward_batch_size is None or isinstance(self.per_device_reward_batch_size, int)
              and self.per_device_reward_batch_size >= 1, "per_device_reward_batch_size",
