@@ -270,6 +270,10 @@ class FlowRLConfig(metaclass=AcceptsTrlNames):  # TRL's GRPOConfig names (epsilo
     hub_include_replay_buffer: bool = field(default=False, metadata=meta("notice",
         "Also upload the trainer's replay buffer (OP-GRPO), as a `datasets` folder `replay_buffer/` of the model "
         "repository."))
+    peak_tflops: float | None = field(default=None, metadata=meta("harmless",
+        "Peak TFLOPS of one device for the `throughput/mfu` metric (achieved `throughput/tflops` / peak; verl-omni's "
+        "diffusion MFU). None: the dense bf16 peak of a known GPU (trl_flow/engine/throughput.py, vendor "
+        "datasheets: H100/H200 SXM 989, A100 312, L40S 362, ...); a CPU or unknown GPU logs tflops only."))
     disable_tqdm: bool = field(default=False, metadata=meta("harmless", "Hide the progress bar."))
     # ---- several processes ---------------------------------------------------------------------------------
     ddp_timeout: float = field(default=1200.0, metadata=meta("notice",
@@ -356,6 +360,9 @@ class FlowRLConfig(metaclass=AcceptsTrlNames):  # TRL's GRPOConfig names (epsilo
         need(self.lr_scheduler_type in LR_SCHEDULERS, "lr_scheduler_type", f"must be one of {LR_SCHEDULERS}")
         need(check_attention_backend_name(self.attention_backend) is None, "attention_backend",
              str(check_attention_backend_name(self.attention_backend)))
+        need(self.peak_tflops is None or isinstance(self.peak_tflops, (int, float))
+             and not isinstance(self.peak_tflops, bool) and math.isfinite(self.peak_tflops) and self.peak_tflops > 0,
+             "peak_tflops", "must be a finite number > 0, or None (the device's known peak)")
         need(isinstance(self.compile_repeated_blocks, bool), "compile_repeated_blocks", "must be True or False")
         need(self.offload in OFFLOAD_MODES, "offload", f"must be one of {OFFLOAD_MODES}")
         need(self.per_device_reward_batch_size is None or isinstance(self.per_device_reward_batch_size, int)

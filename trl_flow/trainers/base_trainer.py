@@ -26,8 +26,8 @@ from ..models import get_adapter, index_embeds
 from ..rewards import compute_rewards, validate_reward_funcs
 from ..rewards.scheduling import OverlappedScoring, collect_scores
 from ..rollout import Rollout, sample_trajectories, step_samplers
-from ..engine import checkpoints, distributed, guards, model_setup, prompt_encoding, stored_embeds, tracking
-from ..engine import train_loop
+from ..engine import checkpoints, distributed, guards, model_setup, prompt_encoding, stored_embeds, throughput
+from ..engine import tracking, train_loop
 from ..engine import output_dir as run_dir
 from ..engine import callbacks as callbacks_engine
 from . import trl_compat
@@ -146,6 +146,8 @@ class FlowRLTrainer:
             model_setup.remove_adapters(self)  # the pipeline stays usable for another trainer
             raise
         self._nonfinite_skipped = 0
+        self._flops_per_row = None  # measured on the first iteration: engine/throughput.py
+        self._peak_tflops = throughput.device_peak_tflops(self.device, config.peak_tflops)
         self._embed_cache = {} if config.cache_prompt_embeds else None
         self._long_prompts = guards.LongPromptWarning(self.adapter, config.max_sequence_length,
                                                       {"train_dataset": self.train_dataset,
@@ -527,14 +529,25 @@ class FlowRLTrainer:
 
     def training_iteration(self, step: int) -> dict[str, float]:
         """One iteration: rollout (with rewards), advantages, update. Returns its metrics."""
-        with count_forwards(self.pipe, self.adapter.trained_components()) as calls:
-            t0 = time.perf_counter()
-            rollout = self.make_rollout(step)
-            t1 = time.perf_counter()
-            rollout_calls = dict(calls)
-            self.compute_advantages(rollout)
-            metrics = self.optimize(rollout, step)
-            t2 = time.perf_counter()
+        trained = [getattr(self.pipe, name) for name in self.adapter.trained_components()]
+        rows: dict = {}  # the rows the trained transformer(s) saw, with and without gradient (MFU)
+        hooks = throughput.count_rows(trained, rows)
+        try:
+            with count_forwards(self.pipe, self.adapter.trained_components()) as calls:
+                t0 = time.perf_counter()
+                rollout = self.make_rollout(step)
+                t1 = time.perf_counter()
+                rollout_calls = dict(calls)
+                self.compute_advantages(rollout)
+                metrics = self.optimize(rollout, step)
+                t2 = time.perf_counter()
+        finally:
+            for h in hooks:
+                h.remove()
+        if self._flops_per_row is None:
+            self._flops_per_row = self._probe_flops(rollout)
+        metrics.update(throughput.metrics(self._flops_per_row, rows.get("rows_grad", 0), rows.get("rows_nograd", 0),
+                                          t2 - t0, self._peak_tflops))
         metrics.update(self.rollout_metrics(rollout))
         metrics.update({"time/rollout_s": t1 - t0, "time/update_s": t2 - t1})
         n = len(rollout)  # this process's samples
@@ -550,6 +563,14 @@ class FlowRLTrainer:
         tracking.log_rollout(self, rollout, step + 1)
         self.last_rollout = rollout
         return metrics
+
+    def _probe_flops(self, rollout: Rollout) -> float:
+        """FLOPs of one trained-transformer forward on one latent row at the training size (one probe call, outside
+        the iteration's timing and call counts): :func:`.throughput.flops_per_row`."""
+        cfg = self.config
+        x = self.adapter.initial_noise(1, cfg.height, cfg.width, torch.Generator().manual_seed(0)).to(self.device)
+        return throughput.flops_per_row(self.adapter, self.model, x, rollout.schedule.timesteps[0],
+                                        index_embeds(rollout.embeds, slice(0, 1)), self._autocast)
 
     def rollout_metrics(self, rollout: Rollout) -> dict[str, float]:
         rewards = self.gather(rollout.rewards)
