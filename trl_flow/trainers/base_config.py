@@ -98,15 +98,16 @@ class FlowRLConfig(metaclass=AcceptsTrlNames):  # TRL's GRPOConfig names (epsilo
         "so the text encoders run once per distinct prompt; results are bit for bit those of encoding each time "
         "(Flow-Factory, DanceGRPO and UniRL precompute or cache them). Memory: one embedding per distinct prompt."))
     attention_backend: str | None = field(default=None, metadata=meta("notice",
-        "Attention backend of the trained transformer(s), set at set-up with diffusers' `set_attention_backend` "
-        "(Flow-Factory's option; verl-omni uses FA3): a diffusers AttentionBackendName value (`native`, `flash`, "
-        "`_flash_3`, `sage`, `flex`, ...; diffusers also makes it the process's active backend). None: the "
-        "pipeline's own. A backend that cannot run here (missing package, GPU-only on a CPU) is refused at start."))
+        "Trained transformers' attention backend. None: the pipeline's own. Set at set-up with diffusers' "
+        "`set_attention_backend` (Flow-Factory's option; verl-omni uses FA3): an AttentionBackendName value "
+        "(`native`, `flash`, `_flash_3`, `sage`, `flex`, ...; diffusers also makes it the process's active "
+        "backend). One that cannot run here (missing package, GPU-only on a CPU) is refused at start."))
     compile_repeated_blocks: bool = field(default=False, metadata=meta("notice",
-        "Regional compilation (Flow-Factory's name; diffusers ModelMixin.compile_repeated_blocks): torch.compile "
-        "each repeated transformer block of the trained transformer(s) at set-up, after the LoRA is added. "
-        "Numerically on-policy but not bit-exact (Flow-Factory: ~1e-5 ratio residual); the first ratio's deviation "
-        "is logged as ratio_first_max_dev (policy-gradient methods). The first iterations pay the compilation."))
+        "Regional compile of the transformers. Flow-Factory's name; as diffusers' "
+        "ModelMixin.compile_repeated_blocks, each repeated transformer block is compiled at set-up, after the LoRA "
+        "is added. Numerically on-policy but not bit-exact (Flow-Factory: ~1e-5 ratio residual); the first ratio's "
+        "deviation is logged as ratio_first_max_dev (policy-gradient methods). The first iterations pay the "
+        "compilation."))
     offload: str = field(default="none", metadata=meta("harmless",
         "`none`, or `model`: the text encoders and the VAE wait in CPU memory and move to the device only to encode "
         "prompts / decode images (saves their device memory during sampling and the update; results unchanged)."))
@@ -223,11 +224,11 @@ class FlowRLConfig(metaclass=AcceptsTrlNames):  # TRL's GRPOConfig names (epsilo
     eval_guidance_scale: float | None = field(default=None, metadata=meta("harmless",
         "Guidance of the evaluation (default: guidance_scale)."))
     eval_height: int | None = field(default=None, metadata=meta("harmless",
-        "Image height of evaluation and `generate()` (Flow-Factory's separate eval resolution; flow_grpo issue #201); "
-        "None: `height`. A multiple of the pipeline's resolution multiple (checked at construction); text-to-image "
+        "Height of evaluation and generate(). None: `height` (Flow-Factory's separate eval resolution; flow_grpo "
+        "issue #201). A multiple of the pipeline's resolution multiple (checked at construction); text-to-image "
         "and video pipelines only (an editing pipeline sizes its source conditioning for height x width)."))
     eval_width: int | None = field(default=None, metadata=meta("harmless",
-        "Image width of evaluation and `generate()`, as `eval_height`; None: `width`."))
+        "Width of evaluation and generate(). None: `width`; as `eval_height`."))
     per_device_eval_batch_size: int = field(default=16, metadata=meta("harmless",
         "Images per forward pass in evaluation."))
     logging_steps: int = field(default=1, metadata=meta("harmless", "Log metrics every this many iterations."))
@@ -271,8 +272,8 @@ class FlowRLConfig(metaclass=AcceptsTrlNames):  # TRL's GRPOConfig names (epsilo
         "Also upload the trainer's replay buffer (OP-GRPO), as a `datasets` folder `replay_buffer/` of the model "
         "repository."))
     peak_tflops: float | None = field(default=None, metadata=meta("harmless",
-        "Peak TFLOPS of one device for the `throughput/mfu` metric (achieved `throughput/tflops` / peak; verl-omni's "
-        "diffusion MFU). None: the dense bf16 peak of a known GPU (trl_flow/engine/throughput.py, vendor "
+        "Device peak TFLOPS for throughput/mfu. The metric is achieved `throughput/tflops` / peak "
+        "(verl-omni's diffusion MFU). None: the dense bf16 peak of a known GPU (trl_flow/engine/throughput.py, vendor "
         "datasheets: H100/H200 SXM 989, A100 312, L40S 362, ...); a CPU or unknown GPU logs tflops only."))
     disable_tqdm: bool = field(default=False, metadata=meta("harmless", "Hide the progress bar."))
     # ---- several processes ---------------------------------------------------------------------------------
