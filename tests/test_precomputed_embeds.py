@@ -107,3 +107,19 @@ def test_other_family_stored_rows_equal_the_trainers(tmp_path):
     trainer._stored_embeds = None
     ref = trainer.encode(list(PROMPTS)[:2], config.guidance_scale)
     assert len(calls) == 1 and emb.keys() == ref.keys() and all(torch.equal(emb[k], ref[k]) for k in ref)
+
+
+def test_cli_precompute_embeds_then_train(tmp_path, capsys):
+    from trl_flow import cli
+
+    args = ["--model_name_or_path", "shapes", "--dataset_name", "shapes", "--height", "32", "--width", "32",
+            "--num_generations", "4", "--prompts_per_step", "2", "--per_device_train_batch_size", "4",
+            "--num_inference_steps", "4", "--disable_tqdm", "True"]
+    assert cli.main(["precompute-embeds", "grpo", *args, "--output_dir", str(tmp_path / "emb")]) == 0
+    folder = tmp_path / "emb" / "prompt_embeds" / "train"
+    assert f"wrote {folder}" in capsys.readouterr().out
+    trainer = cli.run("grpo", [*args, "--dataset_name", str(folder), "--reward_funcs", "shapes_partial",
+                               "--max_steps", "1", "--output_dir", str(tmp_path / "run")])
+    assert trainer.state.log_history[0]["calls/text_encoder"] == 0  # every prompt from the saved rows
+    assert cli.main(["precompute-embeds", "grpo", *args, "--output_dir", str(tmp_path / "emb")]) == 2  # exists
+    assert cli.main(["precompute-embeds", "--dataset_name", "x"]) == 2
