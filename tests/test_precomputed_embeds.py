@@ -123,3 +123,26 @@ def test_cli_precompute_embeds_then_train(tmp_path, capsys):
     assert trainer.state.log_history[0]["calls/text_encoder"] == 0  # every prompt from the saved rows
     assert cli.main(["precompute-embeds", "grpo", *args, "--output_dir", str(tmp_path / "emb")]) == 2  # exists
     assert cli.main(["precompute-embeds", "--dataset_name", "x"]) == 2
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """accelerate keeps one AcceleratorState per process and refuses a second mixed-precision setting."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_bf16_stored_rows_equal_the_trainers(tmp_path, fresh_accelerate_state):
+    """bf16: the precompute casts the encoders and encodes under autocast as the trainer does, then restores them."""
+    config = _config(tmp_path, "bf16", bf16=True)
+    pipe = model.load_base_pipeline()
+    ds = precompute_prompt_embeds(pipe, list(PROMPTS), config=config)
+    assert pipe.text_encoder.dtype == pipe.text_encoder_2.dtype == torch.float32
+    trainer = FlowGRPOTrainer(config, pipe, [shapes.shapes_partial_reward], train_dataset=list(PROMPTS))
+    emb = trainer.encode(list(PROMPTS), config.guidance_scale)
+    rows = ds.with_format("numpy")[:]
+    for k, v in emb.items():
+        assert v.dtype == torch.bfloat16 and torch.equal(torch.as_tensor(rows[PREFIX + k]).to(v.dtype), v)
