@@ -27,3 +27,10 @@ def test_bad_eval_size_is_refused_before_compute(make_trainer):
         make_trainer(eval_height=34)
     with pytest.raises(ValueError, match="eval_width=0: must be an integer >= 1"):
         make_trainer(eval_width=0)
+
+
+def test_editing_pipeline_refuses_another_eval_size(make_trainer, edit_dataset):
+    from trl_flow.testing.flux_kontext import tiny_flux_kontext_pipeline
+
+    with pytest.raises(ValueError, match="eval_height=64, eval_width=None: .*source-image conditioning"):
+        make_trainer(pipe=tiny_flux_kontext_pipeline(), train_dataset=edit_dataset, eval_height=64)
