@@ -108,6 +108,19 @@ def test_other_family_stored_rows_equal_the_trainers(tmp_path):
     ref = trainer.encode(list(PROMPTS)[:2], config.guidance_scale)
     assert len(calls) == 1 and emb.keys() == ref.keys() and all(torch.equal(emb[k], ref[k]) for k in ref)
 
+    runs = []
+    for name, pipe, data in (("with", tiny_flux_pipeline(), list(PROMPTS)),
+                             ("without", tiny_flux_pipeline(), ds)):
+        if name == "without":
+            pipe.text_encoder = pipe.text_encoder_2 = None
+        trainer = FlowGRPOTrainer(_config(tmp_path, f"flux_{name}", max_sequence_length=8, guidance_scale=3.5,
+                                          per_device_train_batch_size=2), pipe, [shapes.shapes_partial_reward],
+                                  train_dataset=data)
+        trainer.train()
+        runs.append([{k: v for k, v in e.items() if not k.startswith(VOLATILE) and k != "calls/text_encoder"}
+                     for e in trainer.state.log_history])
+    assert runs[0] == runs[1]  # FLUX.1 trains bit for bit without its encoders
+
 
 def test_cli_precompute_embeds_then_train(tmp_path, capsys):
     from trl_flow import cli
