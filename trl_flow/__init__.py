@@ -4,6 +4,7 @@ prompts (data.py) -> rollout (rollout.py, kernels.py, models/) -> rewards (rewar
 (advantages.py) -> loss (losses.py) -> update (trainers/).
 """
 
+from .engine.stored_embeds import precompute_prompt_embeds
 from .kernels import gaussian_kl, sde_step
 from .rewards import jpeg_compressibility, jpeg_incompressibility
 from .replay_buffer import ReplayBuffer, ReplayEntry
@@ -14,4 +15,4 @@ from .trainers.registry import get_trainer, register_trainer, registered_trainer
 __version__ = "0.1.0.dev0"
 
 __all__ = sorted([*_trainers_all, "ReplayBuffer", "ReplayEntry", "gaussian_kl", "jpeg_compressibility",
-                  "jpeg_incompressibility", "sde_step"])
+                  "jpeg_incompressibility", "precompute_prompt_embeds", "sde_step"])

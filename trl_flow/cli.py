@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 DEFAULT_MODEL = "stabilityai/stable-diffusion-3.5-medium"
 
 REWARD_SERVER = "reward-server"
+PRECOMPUTE = "precompute-embeds"
 _CHILD_ENV = "TRL_FLOW_UNDER_ACCELERATE_LAUNCH"  # set for the processes that --accelerate_config starts
 
 
@@ -745,6 +746,48 @@ def run(command: str, argv: list[str]):
     return trainer
 
 
+def precompute(argv: list[str]) -> list[str]:
+    """``trl-flow precompute-embeds TRAINER [that trainer's options]``: the prompt embeddings of ``--dataset_name``
+    (and ``--eval_dataset``, or the test split when ``eval_steps`` > 0) as that trainer's config would encode them
+    (:func:`trl_flow.precompute_prompt_embeds`), saved with ``save_to_disk`` into ``<output_dir>/prompt_embeds/train``
+    (and ``.../eval``), on the device a run uses. Returns the folders written."""
+    if not argv or argv[0] not in commands():
+        raise CLIError(f"{PRECOMPUTE}: the first argument names the trainer whose options follow, one of "
+                       f"{', '.join(commands())}; e.g. trl-flow {PRECOMPUTE} grpo --config <recipe> --dataset_name "
+                       "prompts.txt --output_dir out")
+    command = argv[0]
+    script_args, config, _ = parse_args(command, argv[1:])
+    out = os.path.join(config.output_dir, "prompt_embeds")
+    if os.path.exists(out):
+        raise CLIError(f"{out} exists; remove it or pass another --output_dir")
+    train, evald = _load_datasets(script_args, config)
+    pipe = _load_pipeline(script_args, config)
+    if isinstance(pipe, str):  # model_init_kwargs: the trainer would load it with them
+        from .models import load_pipeline
+
+        pipe = load_pipeline(pipe, **config.model_init_kwargs)
+    import torch
+
+    from .engine.stored_embeds import precompute_prompt_embeds
+    from .trainers.trl_compat import apply_model_defaults
+
+    config = apply_model_defaults(config, pipe)  # as the trainer will
+
+    pipe.to("cuda" if torch.cuda.is_available() else "cpu")  # where the trainer encodes (accelerate's default)
+    gs_eval = config.eval_guidance_scale if config.eval_guidance_scale is not None else config.guidance_scale
+    written = []
+    for name, ds, gs in (("train", train, config.guidance_scale), ("eval", evald, gs_eval)):
+        if ds is not None:
+            path = os.path.join(out, name)
+            precompute_prompt_embeds(pipe, ds, guidance_scale=gs, config=config).save_to_disk(path)
+            written.append(path)
+    print(f"trl-flow {PRECOMPUTE}: wrote {', '.join(written)}; train with --dataset_name {written[0]}"
+          + (f" --eval_dataset {written[1]}" if len(written) > 1 else "")
+          + " and the same options (the text encoders may then be left out: --model_init_kwargs "
+          "'{\"text_encoder\": null, ...}')")
+    return written
+
+
 def cli_form(message: str, names) -> str:
     """An error raised by the Python API, in the form the command line takes: one line, and every
     ``field=value`` (or ``FlowGRPOConfig.field=value``) of a known field ``names`` as ``--field value``, so that
@@ -786,6 +829,8 @@ def _top_parser() -> argparse.ArgumentParser:
         sub.add_parser(name, help=summary(trainer_cls) + (f" (also: {', '.join(also)})" if also else ""),
                        add_help=False)
     sub.add_parser(REWARD_SERVER, help="serve a reward callable over HTTP for RemoteReward", add_help=False)
+    sub.add_parser(PRECOMPUTE, help="save the prompt embeddings of a trainer's datasets: precompute-embeds TRAINER "
+                   "[its options]", add_help=False)
     return parser
 
 
@@ -803,10 +848,11 @@ def _report(command: str, message: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Console entry point of ``trl-flow``. Returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in (*commands(), REWARD_SERVER):
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in (*commands(), REWARD_SERVER, PRECOMPUTE):
         parser = _top_parser()
         if argv and argv[0] not in ("-h", "--help"):
-            parser.error(f"unknown command {argv[0]!r}; choose from {', '.join([*commands(), REWARD_SERVER])}")
+            parser.error(f"unknown command {argv[0]!r}; choose from "
+                         f"{', '.join([*commands(), REWARD_SERVER, PRECOMPUTE])}")
         parser.print_help()
         return 0
     command, rest = argv[0], argv[1:]
@@ -819,6 +865,9 @@ def main(argv: list[str] | None = None) -> int:
                     raise
                 raise CLIError("not available in this version of trl_flow") from None
             return server.main(rest) or 0
+        if command == PRECOMPUTE:
+            precompute(rest)
+            return 0
         run(command, rest)
     except CLIError as e:
         _report(command, cli_form(e, _field_names(command)))

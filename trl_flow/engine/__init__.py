@@ -4,7 +4,9 @@ Floors, each importing only the ones below it (``trl_flow.storage`` is the groun
 
 1. ``distributed``: the accelerator, collectives (``agree``, gathers of sharded tensors), process checks;
 2. ``checkpoints`` (saving, discovery, rotation, resume), ``export`` (the final model), ``guards`` (launch and
-   batch checks, warnings), ``tracking`` (trackers), ``prompt_encoding``, ``interrupts`` (signals);
+   batch checks, warnings), ``tracking`` (trackers), ``prompt_encoding``, ``stored_embeds`` (precomputed prompt
+   embeddings), ``interrupts`` (signals), ``compute_options`` (attention backend, regional compile), ``throughput``
+   (TFLOPS and MFU);
 3. ``output_dir`` (what a run may write or remove), ``model_setup`` (LoRA, optimizer, schedule, EMA), ``callbacks``
    (transformers' ``TrainerCallback`` events and ``TrainerControl`` flags);
 4. ``train_loop``: the loop, the final save and push.

@@ -15,7 +15,7 @@ import math
 import torch
 
 from .. import memory
-from . import distributed, guards
+from . import compute_options, distributed, guards
 
 
 def check_no_adapters(trainer) -> None:
@@ -64,6 +64,7 @@ def setup_model(cfg, acc, adapter, hooks=(None, None)) -> ModelState:
             if ((name not in trained or cfg.finetune == "lora") and weight_dtype != torch.float32
                     and not memory.is_quantized(module)):  # a quantised module keeps its storage dtype
                 module.to(dtype=weight_dtype)
+    compute_options.set_attention_backend(adapter, getattr(cfg, "attention_backend", None), acc.device)
     transformer = adapter.trainable_module()
     ref_model = None
     if cfg.finetune == "lora":
@@ -85,6 +86,8 @@ def setup_model(cfg, acc, adapter, hooks=(None, None)) -> ModelState:
         transformer.requires_grad_(True)
     if cfg.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
+    if getattr(cfg, "compile_repeated_blocks", False):  # after the LoRA: the compiled blocks hold it
+        compute_options.compile_repeated_blocks(adapter)
     trainable_params = [p for p in transformer.parameters() if p.requires_grad]
     if not trainable_params:
         raise ValueError("lora_target_modules: no parameter of the transformer is trainable; check the names")

@@ -45,7 +45,7 @@ def _cacheable(key) -> bool:
 
 
 def encode_samples(adapter, prompts: list[str], columns: dict | None, guidance: bool, max_sequence_length: int,
-                   batch_size: int, cache: dict | None = None, device=None) -> dict:
+                   batch_size: int, cache: dict | None = None, device=None, stored=None) -> dict:
     """Prompt embeddings of N samples (each tensor (N, ...)), bit for bit ``cat_embeds`` of
     ``adapter.encode_prompts`` on each chunk of ``batch_size`` samples (the former path), with each distinct row
     encoded once. ``columns``: the samples' dataset columns ({name: N values}; an editing adapter reads its source
@@ -63,6 +63,9 @@ def encode_samples(adapter, prompts: list[str], columns: dict | None, guidance: 
     (``longest``) is stored on the CPU under everything its values depend on (guidance, max_sequence_length, the
     call's size, the prompt and source key) and reused bit for bit, on ``device``; only rows never seen run the
     encoders.
+
+    ``stored`` (a :class:`.stored_embeds.StoredEmbeds`, from datasets made by ``precompute_prompt_embeds``): rows
+    served from there after the cache (``max_length`` adapters only), bit for bit the rows encoded here.
     """
     keys = sample_keys(adapter, prompts, columns)
     chunks = [range(lo, min(lo + batch_size, len(prompts))) for lo in range(0, len(prompts), batch_size)]
@@ -104,6 +107,8 @@ def encode_samples(adapter, prompts: list[str], columns: dict | None, guidance: 
             todo = []
             for key, i in rows_of.items():
                 hit = cached((size, key))
+                if hit is None and stored is not None:
+                    hit = stored.lookup(guidance, max_sequence_length, size, key)
                 if hit is None:
                     todo.append((key, i))
                 else:
@@ -115,6 +120,6 @@ def encode_samples(adapter, prompts: list[str], columns: dict | None, guidance: 
                 for j, (key, _) in enumerate(part):
                     store((size, key), {k: v[j : j + 1] for k, v in out.items()})
         parts = [rows[(len(chunk), keys[i])] for chunk in chunks for i in chunk]
-    if cache is not None and device is not None:
+    if (cache is not None or stored is not None) and device is not None:
         parts = [{k: v.to(device) for k, v in p.items()} for p in parts]
     return cat_embeds(parts)

@@ -11,6 +11,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from ..config_fields import meta
+from ..engine.compute_options import check_attention_backend_name
 
 from ..advantages import SCALE_REWARDS
 from ..kernels import SAMPLERS
@@ -50,9 +51,9 @@ class FlowRLConfig(metaclass=AcceptsTrlNames):  # TRL's GRPOConfig names (epsilo
         "Number of training iterations. One iteration samples `prompts_per_step * num_generations` trajectories, "
         "scores them and runs `num_inner_epochs` passes of updates over them."))
     model_init_kwargs: dict | str | None = field(default=None, metadata=meta("notice",
-        "Keyword arguments of `DiffusionPipeline.from_pretrained` when the trainer is given a model id or folder "
-        "instead of a pipeline: `dtype` (default `auto`: bfloat16 / float16 under bf16 / fp16, else float32), "
-        "`variant`, `revision`, ... A dict (a JSON string on the command line)."))
+        "from_pretrained kwargs. Keyword arguments of `DiffusionPipeline.from_pretrained` when the trainer is given a "
+        "model id or folder instead of a pipeline: `dtype` (default `auto`: bfloat16 / float16 under bf16 / fp16, "
+        "else float32), `variant`, `revision`, ... A dict (a JSON string on the command line)."))
     # ---- batch ---------------------------------------------------------------------------------------------------
     num_generations: int = field(default=8, metadata=meta("refuse",
         "Group size G: trajectories sampled per prompt (published: 24)."))
@@ -97,7 +98,8 @@ class FlowRLConfig(metaclass=AcceptsTrlNames):  # TRL's GRPOConfig names (epsilo
         "so the text encoders run once per distinct prompt; results are bit for bit those of encoding each time "
         "(Flow-Factory, DanceGRPO and UniRL precompute or cache them). Memory: one embedding per distinct prompt."))
     batch_replay_steps: bool = field(default=False, metadata=meta("notice",
-        "Compute a microbatch's loss terms in ONE transformer forward (UniRL's `batch_replay_steps`, "
+        "Trained steps in one forward. A microbatch's loss terms in ONE transformer forward (UniRL's "
+        "`batch_replay_steps`, "
         "Tencent-Hunyuan/UniRL 0c97cfb, unirl/models/types/batched_replay.py:26; its PRs #144/#394: FLUX.2-klein 9B "
         "on 8 GPUs 367 -> 329 s a step). Policy-gradient trainers: the B samples' states at the S trained steps go "
         "in as B*S rows with per-row timesteps and repeated embeddings (the reference policy's forward for beta > 0 "
@@ -109,11 +111,22 @@ class FlowRLConfig(metaclass=AcceptsTrlNames):  # TRL's GRPOConfig names (epsilo
         "a kernel that picks its algorithm by row count (GPU, bf16) can make `ratio_first_max_dev` nonzero, where "
         "the per-step path gives exactly 0; it is logged either way (fp32 CPU, tiny and 6-layer SD3: measured 0). "
         "OP-GRPO recomputes its anchor in the batched geometry."))
+    attention_backend: str | None = field(default=None, metadata=meta("notice",
+        "Trained transformers' attention backend. None: the pipeline's own. Set at set-up with diffusers' "
+        "`set_attention_backend` (Flow-Factory's option; verl-omni uses FA3): an AttentionBackendName value "
+        "(`native`, `flash`, `_flash_3`, `sage`, `flex`, ...; diffusers also makes it the process's active "
+        "backend). One that cannot run here (missing package, GPU-only on a CPU) is refused at start."))
+    compile_repeated_blocks: bool = field(default=False, metadata=meta("notice",
+        "Regional compile of the transformers. Flow-Factory's name; as diffusers' "
+        "ModelMixin.compile_repeated_blocks, each repeated transformer block is compiled at set-up, after the LoRA "
+        "is added. Numerically on-policy but not bit-exact (Flow-Factory: ~1e-5 ratio residual); the first ratio's "
+        "deviation is logged as ratio_first_max_dev (policy-gradient methods). The first iterations pay the "
+        "compilation."))
     offload: str = field(default="none", metadata=meta("harmless",
         "`none`, or `model`: the text encoders and the VAE wait in CPU memory and move to the device only to encode "
         "prompts / decode images (saves their device memory during sampling and the update; results unchanged)."))
     per_device_reward_batch_size: int | None = field(default=None, metadata=meta("harmless",
-        "Images per reward call on one device (bounds a reward model's memory); default: all of the process's images "
+        "Images per reward call. Per device (bounds a reward model's memory); default: all of the process's images "
         "of the iteration in one call."))
     # ---- what is trained -----------------------------------------------------------------------------------------
     finetune: str = field(default="lora", metadata=meta("refuse",
@@ -157,7 +170,8 @@ class FlowRLConfig(metaclass=AcceptsTrlNames):  # TRL's GRPOConfig names (epsilo
         "(guidance_scale then guides the high-noise expert; published: 4.0 high / 3.0 low). None: guidance_scale. "
         "Pipelines without transformer_2: leave None."))
     source_image_size: str = field(default="auto", metadata=meta("notice",
-        "Image editing (FLUX.1 Kontext, Qwen-Image-Edit; a `source_image` dataset column): the size the source image "
+        "Editing: source image size. Image editing (FLUX.1 Kontext, Qwen-Image-Edit; a `source_image` dataset "
+        "column): the size the source image "
         "is encoded at. `auto`: the pipeline's default: FluxKontextPipeline's `_auto_resize`, the preferred Kontext "
         "resolution nearest the source's aspect ratio; Qwen-Image-Edit's 1024 x 1024 area at the source's aspect "
         "ratio (either about 1 MP: 4096 source tokens next to 1024 generated ones at 512 px); `source`: the source's "
@@ -175,31 +189,31 @@ class FlowRLConfig(metaclass=AcceptsTrlNames):  # TRL's GRPOConfig names (epsilo
     same_noise_per_group: bool = field(default=False, metadata=meta("notice",
         "Give all trajectories of a group the same initial noise."))
     shared_prefix: bool = field(default=False, metadata=meta("notice",
-        "Needs same_noise_per_group. The deterministic (ODE) steps before an iteration's first stochastic step run "
-        "once per group, on one row, and the group's G samples branch from that state: those steps cost P rows "
-        "instead of P x G. Flow-GRPO-Fast (yifan123/flow_grpo README: sampling before branching needs a single "
-        "prompt without group expansion; scripts/train_sd3_fast.py at 74db691 keeps the sde_window_size ODE steps "
-        "but samples them per sample). The stored states before the branch are the group's (never trained), so "
-        "the update and the first ratio (exactly 1) are unchanged; results differ from False only in float rounding "
-        "(a GEMM's last bits depend on its row count). Nothing to share when the first step is stochastic "
-        "(sde_window_size 0 without a frozen expert); DiffusionNFT with a stochastic sampler shares its ODE steps "
-        "as well. Logged: rows/rollout_transformer."))
+        "ODE prefix once per group. Needs same_noise_per_group. The deterministic steps before an iteration's "
+        "first stochastic step run once per group, on one row, and the group's G samples branch from that state: "
+        "those steps cost P rows instead of P x G. Flow-GRPO-Fast (yifan123/flow_grpo README: sampling before "
+        "branching needs a single prompt without group expansion; scripts/train_sd3_fast.py at 74db691 keeps the "
+        "sde_window_size ODE steps but samples them per sample). The stored states before the branch are the group's "
+        "(never trained), so the update and the first ratio (exactly 1) are unchanged; results differ from False only "
+        "in float rounding (a GEMM's last bits depend on its row count). Nothing to share when the first step is "
+        "stochastic (sde_window_size 0 without a frozen expert); DiffusionNFT with a stochastic sampler shares its "
+        "ODE steps as well. Logged: rows/rollout_transformer."))
     sde_window_size: int = field(default=0, metadata=meta("notice",
         "Flow-GRPO-Fast / MixGRPO window: if > 0, only this many steps are stochastic (consecutive, start drawn in "
         "[0, sde_window_range); placed by `sde_steps_mode`), ODE elsewhere, and only they are trained. 0: every step "
         "but the last."))
     sde_window_range: int | None = field(default=None, metadata=meta("notice",
-        "Window starts (`sde_steps_mode='random'`: the steps) are drawn in [0, sde_window_range); default "
-        "num_inference_steps // 2."))
+        "Range of the window's start. Window starts (`sde_steps_mode='random'`: the steps) are drawn in [0, "
+        "sde_window_range); default num_inference_steps // 2."))
     timestep_fraction: float = field(default=1.0, metadata=meta("notice",
         "Share of the schedule's K steps the update trains: the trained steps below int(K x fraction), as "
         "flow_grpo's train.timestep_fraction (its maintainer: 0.5 'speeds up training'; DanceGRPO / MixGRPO 0.6); "
         "1 trains every stochastic step. DiffusionNFT: T = int(K x fraction) training timesteps per sample."))
     sde_steps_mode: str = field(default="window", metadata=meta("notice",
-        "How the sde_window_size stochastic (trained) steps are placed, ODE elsewhere, drawn from (seed, step): "
-        "`window` (default, Flow-GRPO-Fast / MixGRPO): consecutive, start in [0, sde_window_range); `random`: "
-        "sde_window_size distinct steps in [0, sde_window_range), UniRL's AllSDEScheduler (its Flow-DPPO recipe: 3 "
-        "of steps 0-4 of 10)."))
+        "`window` or `random`. How the sde_window_size stochastic (trained) steps are placed, ODE elsewhere, drawn "
+        "from (seed, step): `window` (default, Flow-GRPO-Fast / MixGRPO): consecutive, start in [0, "
+        "sde_window_range); `random`: sde_window_size distinct steps in [0, sde_window_range), UniRL's "
+        "AllSDEScheduler (its Flow-DPPO recipe: 3 of steps 0-4 of 10)."))
     # ---- objective -----------------------------------------------------------------------------------------------
     beta: float = field(default=0.04, metadata=meta("notice",
         "Weight of the KL to the reference policy (published: 0.04 GenEval/OCR, 0.01 PickScore, tuned with "
@@ -234,6 +248,12 @@ class FlowRLConfig(metaclass=AcceptsTrlNames):  # TRL's GRPOConfig names (epsilo
         "ODE steps of the evaluation sampler (published: 40)."))
     eval_guidance_scale: float | None = field(default=None, metadata=meta("harmless",
         "Guidance of the evaluation (default: guidance_scale)."))
+    eval_height: int | None = field(default=None, metadata=meta("harmless",
+        "Height of evaluation and generate(). None: `height` (Flow-Factory's separate eval resolution; flow_grpo "
+        "issue #201). A multiple of the pipeline's resolution multiple (checked at construction); text-to-image "
+        "and video pipelines only (an editing pipeline sizes its source conditioning for height x width)."))
+    eval_width: int | None = field(default=None, metadata=meta("harmless",
+        "Width of evaluation and generate(). None: `width`; as `eval_height`."))
     per_device_eval_batch_size: int = field(default=16, metadata=meta("harmless",
         "Images per forward pass in evaluation."))
     logging_steps: int = field(default=1, metadata=meta("harmless", "Log metrics every this many iterations."))
@@ -276,6 +296,10 @@ class FlowRLConfig(metaclass=AcceptsTrlNames):  # TRL's GRPOConfig names (epsilo
     hub_include_replay_buffer: bool = field(default=False, metadata=meta("notice",
         "Also upload the trainer's replay buffer (OP-GRPO), as a `datasets` folder `replay_buffer/` of the model "
         "repository."))
+    peak_tflops: float | None = field(default=None, metadata=meta("harmless",
+        "Device peak TFLOPS for throughput/mfu. The metric is achieved `throughput/tflops` / peak "
+        "(verl-omni's diffusion MFU). None: the dense bf16 peak of a known GPU (trl_flow/engine/throughput.py, vendor "
+        "datasheets: H100/H200 SXM 989, A100 312, L40S 362, ...); a CPU or unknown GPU logs tflops only."))
     disable_tqdm: bool = field(default=False, metadata=meta("harmless", "Hide the progress bar."))
     # ---- several processes ---------------------------------------------------------------------------------
     ddp_timeout: float = field(default=1200.0, metadata=meta("notice",
@@ -300,6 +324,10 @@ class FlowRLConfig(metaclass=AcceptsTrlNames):  # TRL's GRPOConfig names (epsilo
                      "lora_r",
                      "logging_steps", "max_sequence_length"):
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "must be an integer >= 1")
+        for name in ("eval_height", "eval_width"):
+            need(getattr(self, name) is None or isinstance(getattr(self, name), int)
+                 and not isinstance(getattr(self, name), bool) and getattr(self, name) >= 1, name,
+                 "must be an integer >= 1, or None (the training size)")
         for name in ("eval_steps", "save_steps", "log_images_steps", "warmup_steps", "sde_window_size"):
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 0, name, "must be an integer >= 0")
         need(self.num_generations >= 2, "num_generations", "must be >= 2: a group of one has no relative advantage")
@@ -356,6 +384,12 @@ class FlowRLConfig(metaclass=AcceptsTrlNames):  # TRL's GRPOConfig names (epsilo
              and self.guidance_scale_2 >= 0, "guidance_scale_2",
              "must be a finite number >= 0, or None (= guidance_scale)")
         need(self.lr_scheduler_type in LR_SCHEDULERS, "lr_scheduler_type", f"must be one of {LR_SCHEDULERS}")
+        need(check_attention_backend_name(self.attention_backend) is None, "attention_backend",
+             str(check_attention_backend_name(self.attention_backend)))
+        need(self.peak_tflops is None or isinstance(self.peak_tflops, (int, float))
+             and not isinstance(self.peak_tflops, bool) and math.isfinite(self.peak_tflops) and self.peak_tflops > 0,
+             "peak_tflops", "must be a finite number > 0, or None (the device's known peak)")
+        need(isinstance(self.compile_repeated_blocks, bool), "compile_repeated_blocks", "must be True or False")
         need(self.offload in OFFLOAD_MODES, "offload", f"must be one of {OFFLOAD_MODES}")
         need(self.per_device_reward_batch_size is None or isinstance(self.per_device_reward_batch_size, int)
              and self.per_device_reward_batch_size >= 1, "per_device_reward_batch_size",

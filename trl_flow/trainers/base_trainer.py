@@ -26,43 +26,15 @@ from ..models import get_adapter, index_embeds
 from ..rewards import compute_rewards, validate_reward_funcs
 from ..rewards.scheduling import OverlappedScoring, collect_scores
 from ..rollout import Rollout, fill_prefix, sample_shared_prefix, sample_trajectories, step_samplers
-from ..engine import checkpoints, distributed, guards, model_setup, prompt_encoding, tracking, train_loop
+from ..engine import checkpoints, distributed, guards, model_setup, prompt_encoding, stored_embeds, throughput
+from ..engine import tracking, train_loop
 from ..engine import output_dir as run_dir
 from ..engine import callbacks as callbacks_engine
 from . import trl_compat
 from .base_config import FlowRLConfig
 from ..engine.checkpoints import TrainerState
+from ..engine.throughput import count_forwards
 from ..storage import LORA_WEIGHT_NAME  # noqa: F401  (re-exported)
-
-
-@contextlib.contextmanager
-def count_forwards(pipe, trained_components):
-    """Counts forward passes while the block runs: ``{"transformer": ..., "text_encoder": ...}`` (the trained
-    transformer(s), every ``text_encoder*`` component), and ``"transformer_rows"``: the latent rows the trained
-    transformer(s) saw (the batch size of each call's ``hidden_states``, so a true-CFG call counts its
-    conditional and unconditional rows); the hooks are removed at the end."""
-    calls = {"transformer": 0, "text_encoder": 0, "transformer_rows": 0}
-
-    def seen(module, args, kwargs, kind):
-        calls[kind] += 1
-        if kind == "transformer":
-            x = kwargs.get("hidden_states", args[0] if args else None)
-            if not torch.is_tensor(x):  # a model whose latent input has another name: its first tensor argument
-                x = next((v for v in (*args, *kwargs.values()) if torch.is_tensor(v)), None)
-            calls["transformer_rows"] += 0 if x is None else int(x.shape[0])
-
-    hooks = []
-    for name, module in pipe.components.items():
-        kind = "transformer" if name in trained_components else "text_encoder" if name.startswith(
-            "text_encoder") else None
-        if kind is not None and isinstance(module, torch.nn.Module):
-            hooks.append(module.register_forward_pre_hook(lambda m, a, kw, k=kind: seen(m, a, kw, k),
-                                                          with_kwargs=True))
-    try:
-        yield calls
-    finally:
-        for h in hooks:
-            h.remove()
 
 
 class UpdateLog:
@@ -146,6 +118,7 @@ class FlowRLTrainer:
                 "(VAE scale factor x transformer patch size) for this pipeline"
             )
         self.adapter.check_size(config.height, config.width)
+        self._check_eval_size(factor)
         self.accelerator = distributed.make_accelerator(  # what the launch asked for, or an error
             config, find_unused_parameters=self.adapter.partial_forward)
         guards.check_launch(self.accelerator)
@@ -154,6 +127,10 @@ class FlowRLTrainer:
             from ..hub import check_hub_access
 
             check_hub_access(self.accelerator)
+        self._stored_embeds = None  # rows of datasets made by precompute_prompt_embeds: engine/stored_embeds.py
+        self.train_dataset = stored_embeds.take_stored(self, self.train_dataset, "train_dataset",
+                                                       config.guidance_scale)
+        self.eval_dataset = stored_embeds.take_stored(self, self.eval_dataset, "eval_dataset", self._eval_guidance())
         self.state = TrainerState()
         self.state.distributed = distributed.describe(self.accelerator)
         distributed.check_trainer(self)
@@ -164,6 +141,8 @@ class FlowRLTrainer:
             model_setup.remove_adapters(self)  # the pipeline stays usable for another trainer
             raise
         self._nonfinite_skipped = 0
+        self._flops_per_row = None  # measured on the first iteration: engine/throughput.py
+        self._peak_tflops = throughput.device_peak_tflops(self.device, config.peak_tflops)
         self._embed_cache = {} if config.cache_prompt_embeds else None
         self._long_prompts = guards.LongPromptWarning(self.adapter, config.max_sequence_length,
                                                       {"train_dataset": self.train_dataset,
@@ -188,6 +167,31 @@ class FlowRLTrainer:
                     raise ValueError(f"batch_replay_steps=True: {cls.__name__} overrides {hook}, which the batched "
                                      f"path of {owner.__name__}.term_losses bypasses; set batch_replay_steps=False "
                                      "or override term_losses too")
+
+    @property
+    def eval_size(self) -> tuple[int, int]:
+        """(height, width) of evaluation and :meth:`generate`: ``eval_height`` / ``eval_width``, default the
+        training size."""
+        cfg = self.config
+        return (cfg.eval_height if cfg.eval_height is not None else cfg.height,
+                cfg.eval_width if cfg.eval_width is not None else cfg.width)
+
+    def _check_eval_size(self, factor: int) -> None:
+        height, width = self.eval_size
+        if (height, width) == (self.config.height, self.config.width):
+            return
+        if self.adapter.conditioning != "text":
+            raise ValueError(f"eval_height={self.config.eval_height}, eval_width={self.config.eval_width}: "
+                             f"{type(self.adapter).__name__} sizes its source-image conditioning for height x width; "
+                             "leave both None")
+        if height % factor or width % factor:
+            raise ValueError(f"eval_height={height}, eval_width={width}: must be multiples of {factor} (VAE scale "
+                             "factor x transformer patch size) for this pipeline; set eval_height / eval_width to "
+                             "multiples of it, or None (the training size)")
+        try:
+            self.adapter.check_size(height, width)
+        except ValueError as e:
+            raise ValueError(f"eval_height={height}, eval_width={width}: {e}") from None
 
     @property
     def logprob_reduction(self) -> str:
@@ -268,7 +272,8 @@ class FlowRLTrainer:
             return prompt_encoding.encode_samples(self.adapter, prompts, columns, guidance_scale > 1,
                                                   self.config.max_sequence_length,
                                                   self.config.per_device_train_batch_size,
-                                                  cache=self._embed_cache, device=self.device)
+                                                  cache=self._embed_cache, device=self.device,
+                                                  stored=self._stored_embeds)
 
     def sample_prompts(self, step: int) -> tuple[list[str], dict[str, list], torch.Tensor]:
         """This iteration's samples on this process: prompts, other columns and global group ids (each of N)."""
@@ -579,6 +584,11 @@ class FlowRLTrainer:
             self.compute_advantages(rollout)
             metrics = self.optimize(rollout, step)
             t2 = time.perf_counter()
+        if self._flops_per_row is None:
+            self._flops_per_row = self._probe_flops(rollout)
+        grad_rows = calls["transformer_rows_grad"]
+        metrics.update(throughput.metrics(self._flops_per_row, grad_rows, calls["transformer_rows"] - grad_rows,
+                                          t2 - t0, self._peak_tflops))
         metrics.update(self.rollout_metrics(rollout))
         metrics.update({"time/rollout_s": t1 - t0, "time/update_s": t2 - t1})
         n = len(rollout)  # this process's samples
@@ -596,6 +606,14 @@ class FlowRLTrainer:
         tracking.log_rollout(self, rollout, step + 1)
         self.last_rollout = rollout
         return metrics
+
+    def _probe_flops(self, rollout: Rollout) -> float:
+        """FLOPs of one trained-transformer forward on one latent row at the training size (one probe call, outside
+        the iteration's timing and call counts): :func:`.throughput.flops_per_row`."""
+        cfg = self.config
+        x = self.adapter.initial_noise(1, cfg.height, cfg.width, torch.Generator().manual_seed(0)).to(self.device)
+        return throughput.flops_per_row(self.adapter, self.model, x, rollout.schedule.timesteps[0],
+                                        index_embeds(rollout.embeds, slice(0, 1)), self._autocast)
 
     def rollout_metrics(self, rollout: Rollout) -> dict[str, float]:
         rewards = self.gather(rollout.rewards)
@@ -635,12 +653,14 @@ class FlowRLTrainer:
 
     @torch.no_grad()
     def _ode_trajectories(self, prompts: list[str], seed: int, num_inference_steps: int, guidance_scale: float,
-                          columns: dict | None = None, model=None):
-        """Deterministic trajectories of the current policy (or of ``model``) from noise seeded by ``seed``."""
+                          columns: dict | None = None, model=None, size: tuple[int, int] | None = None):
+        """Deterministic trajectories of the current policy (or of ``model``) from noise seeded by ``seed``, at
+        ``size`` (height, width; default the training size)."""
         cfg = self.config
-        noise = self.adapter.initial_noise(len(prompts), cfg.height, cfg.width, torch.Generator().manual_seed(seed))
+        height, width = size if size is not None else (cfg.height, cfg.width)
+        noise = self.adapter.initial_noise(len(prompts), height, width, torch.Generator().manual_seed(seed))
         embeds = self.encode(prompts, guidance_scale, columns)
-        schedule = self.adapter.schedule(num_inference_steps, cfg.height, cfg.width)
+        schedule = self.adapter.schedule(num_inference_steps, height, width)
         model = self.model if model is None else model
         model.eval()
         traj = sample_trajectories(self.adapter, model, embeds, noise.to(self.device), schedule,
@@ -652,16 +672,20 @@ class FlowRLTrainer:
     def generate(self, prompts: list[str], seed: int = 0, num_inference_steps: int | None = None,
                  guidance_scale: float | None = None, columns: dict | None = None,
                  model=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Deterministic (ODE) samples of the current policy: images (B, 3, H, W) in [0, 1] and latents.
+        """Deterministic (ODE) samples of the current policy: images (B, 3, H, W) in [0, 1] and latents, at
+        :attr:`eval_size` (``eval_height`` x ``eval_width``, default the training size).
         ``columns``: the prompts' dataset columns (an editing pipeline reads its source images there). ``model``:
         another network to sample with (the frozen reference copy), default the trained one."""
         cfg = self.config
         K = num_inference_steps or cfg.eval_num_inference_steps
-        gs = guidance_scale if guidance_scale is not None else (
-            cfg.eval_guidance_scale if cfg.eval_guidance_scale is not None else cfg.guidance_scale)
-        states, _, _ = self._ode_trajectories(prompts, seed, K, gs, columns, model=model)
+        gs = guidance_scale if guidance_scale is not None else self._eval_guidance()
+        states, _, _ = self._ode_trajectories(prompts, seed, K, gs, columns, model=model, size=self.eval_size)
         latents = states[:, -1]
         return self.decode(latents, cfg.per_device_eval_batch_size), latents
+
+    def _eval_guidance(self) -> float:
+        cfg = self.config
+        return cfg.eval_guidance_scale if cfg.eval_guidance_scale is not None else cfg.guidance_scale
 
     @torch.no_grad()
     def kl_to_reference(self, prompts: list[str], seed: int = 0, sampler: str | None = None,
@@ -707,6 +731,7 @@ class FlowRLTrainer:
         ds = check_prompt_dataset(eval_dataset, "eval_dataset") if eval_dataset is not None else self.eval_dataset
         if eval_dataset is not None:
             editing.check_dataset_for(self.adapter, ds, "eval_dataset")
+            ds = stored_embeds.take_stored(self, ds, "eval_dataset", self._eval_guidance())
         if ds is None:
             raise ValueError("evaluate: no eval_dataset; pass one to the trainer or to evaluate()")
         acc = self.accelerator

@@ -53,15 +53,15 @@ class PolicyGradientConfig(FlowRLConfig):
         "step-0 std on SD3.5's 10-step schedule. Log-probs are unchanged."))
 
     trajectory_storage: str = field(default="all", metadata=meta("harmless",
-        "What the rollout keeps for the update: `all` (every state x_0..x_K and kernel mean) or `trained` (the "
+        "Steps the rollout keeps. `all`: every state x_0..x_K and kernel mean; `trained`: the "
         "states x_k and x_k+1 and the mean of each step the update can train, plus x_K: with a window of W of K "
         "steps, (2W + 1) / (K + 1) of the states at most), as Flow-Factory's `trajectory_indices` "
         "(X-GenGroup/Flow-Factory src/flow_factory/trainers/rl/grpo.py at b30dc00: compute_trajectory_indices of the "
         "train steps). The update reads the same values: results are bit for bit those of `all`. OP-GRPO refuses it "
         "(its buffer stores whole trajectory prefixes)."))
     offload_rollout_to_cpu: bool = field(default=False, metadata=meta("harmless",
-        "Keep the rollout's states, means and velocities in CPU memory after sampling; the update moves each "
-        "microbatch's to the device (Flow-Factory's `offload_samples_to_cpu`, "
+        "Stored rollout in CPU memory. Its states, means and velocities stay there after sampling; the update "
+        "moves each microbatch's to the device (Flow-Factory's `offload_samples_to_cpu`, "
         "src/flow_factory/hparams/training_args/_base.py at b30dc00). Saves their device memory during the update; "
         "results unchanged. OP-GRPO refuses it (it writes corrected means into the stored rollout)."))
 
