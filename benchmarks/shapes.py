@@ -299,6 +299,13 @@ METHODS = {
 for _name in ("flow_grpo", "flow_dppo_1epoch", "diffusion_nft_cfg"):
     _trainer, _over = METHODS[_name]
     METHODS[f"{_name}_mixed"] = (_trainer, {**_over, "batch_layout": "mixed"})
+# Flow-GRPO-Fast's settings (docs/performance.md): an SDE window of 2 in the first half of the 10 steps (only those
+# trained), the ODE prefix before it once per group (BASE shares noise per group), only the trained transitions
+# stored, the trained steps of a microbatch in one forward, embeddings cached; mixed-prompt batches, so that
+# `flow_grpo_mixed` (the same samples per iteration, every step trained) is its reference.
+FAST = {"sde_window_size": 2, "shared_prefix": True, "trajectory_storage": "trained", "batch_replay_steps": True,
+        "cache_prompt_embeds": True}
+METHODS["flow_grpo_fast_mixed"] = ("grpo", {**FAST, "batch_layout": "mixed"})
 DEFAULT_METHODS = ["flow_grpo", "op_grpo"]
 
 
