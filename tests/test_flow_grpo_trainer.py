@@ -208,7 +208,13 @@ def _resume_config(tmp_path, name, **kw):
 SHARED_PREFIX = dict(same_noise_per_group=True, shared_prefix=True, sde_window_size=1, sde_window_range=3)
 
 
-@pytest.mark.parametrize("extra", [{}, SHARED_PREFIX], ids=["default", "shared_prefix"])
+#: Flow-GRPO-Fast's settings (docs/performance.md): a window of 2 trained in one call, only its steps stored (on the
+#: CPU), embeddings cached across iterations (the cache is rebuilt on resume: bit for bit the same values)
+FAST = dict(SHARED_PREFIX, sde_window_size=2, sde_window_range=2, batch_replay_steps=True,
+            trajectory_storage="trained", offload_rollout_to_cpu=True, cache_prompt_embeds=True)
+
+
+@pytest.mark.parametrize("extra", [{}, SHARED_PREFIX, FAST], ids=["default", "shared_prefix", "fast"])
 def test_resume_repeats_an_uninterrupted_run(tmp_path, fresh_pipe, extra):
     ds = list(PROMPTS) + ["a house", "a tree", "a boat"]  # 7 prompts: iterations cross an epoch boundary
     torch.manual_seed(0)  # only matters if the trainer did not seed the LoRA init from config.seed itself
@@ -238,7 +244,7 @@ def test_resume_repeats_an_uninterrupted_run(tmp_path, fresh_pipe, extra):
         for key in ("loss", "reward", "kl", "ratio_max", "rows/rollout_transformer"):
             assert log_at(resumed, step, key) == log_at(run_a, step, key), (step, key)
     assert [e["step"] for e in resumed.state.log_history] == [1, 2, 3, 4]  # the history was restored too
-    if extra:  # iteration 4 branches at step 1: its prefix step ran on P rows, not P x G
+    if extra is SHARED_PREFIX:  # iteration 4 branches at step 1: its prefix step ran on P rows, not P x G
         assert log_at(resumed, 4, "rows/rollout_transformer") < log_at(resumed, 3, "rows/rollout_transformer")
 
 

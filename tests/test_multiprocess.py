@@ -176,26 +176,35 @@ def test_a_tracked_run_keeps_its_processes_together_after_train(tmp_path):
 #: shared_prefix (tests/test_shared_prefix.py): seed 5 branches iteration 0 at step 2 of 4, and the mixed layout
 #: puts samples of both groups on each process, so each process computes the prefix of the groups it holds.
 SHARED_PREFIX = dict(same_noise_per_group=True, shared_prefix=True, sde_window_size=1, sde_window_range=3, seed=5)
+#: ... and with the other speed fields of Flow-GRPO-Fast's settings (docs/performance.md) on top
+FAST = dict(SHARED_PREFIX, sde_window_size=2, sde_window_range=2, batch_replay_steps=True, trajectory_storage="trained", offload_rollout_to_cpu=True,
+            cache_prompt_embeds=True)
 
 
 @pytest.mark.slow
-def test_shared_prefix_two_processes_match_one(tmp_path):
-    """Flow-GRPO with shared_prefix on 2 processes against 1: iteration 0's trajectories and rewards agree to
-    float rounding (a prefix GEMM's row count is the groups held locally), and so does the first update."""
+@pytest.mark.parametrize("overrides", [SHARED_PREFIX, FAST], ids=["shared_prefix", "fast"])
+def test_shared_prefix_two_processes_match_one(tmp_path, overrides):
+    """Flow-GRPO with shared_prefix (alone, and with batched replay, trained-steps storage, CPU offload and cached
+    embeddings) on 2 processes against 1: iteration 0's trajectories and rewards agree to float rounding (a prefix
+    GEMM's row count is the groups held locally), and so does the first update."""
     from safetensors.torch import load_file
 
     from trl_flow import FlowGRPOTrainer
 
     out = tmp_path / "two"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-           os.path.join(HERE, "multiprocess_worker.py"), str(out), "FlowGRPOTrainer", json.dumps(SHARED_PREFIX)]
+           os.path.join(HERE, "multiprocess_worker.py"), str(out), "FlowGRPOTrainer", json.dumps(overrides)]
     proc = subprocess.run(cmd, env=_env(ACCELERATE_USE_CPU="1"), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     two = load_file(str(out / "FlowGRPOTrainer.safetensors"))
-    one = mw.make_trainer(FlowGRPOTrainer, str(tmp_path / "one"), gradient_accumulation_steps=2, **SHARED_PREFIX)
+    one = mw.make_trainer(FlowGRPOTrainer, str(tmp_path / "one"), gradient_accumulation_steps=2, **overrides)
     records = mw.record_iterations(one)
     one.train()
-    assert one.state.log_history[0]["rows/rollout_transformer"] == (8 * 4 - 2 * 2 * 3)  # s P (G - 1) rows fewer
+    if overrides is SHARED_PREFIX:
+        assert one.state.log_history[0]["rows/rollout_transformer"] == (8 * 4 - 2 * 2 * 3)  # s P (G - 1) fewer
+    else:  # two trained steps in one update call a microbatch
+        assert one.state.log_history[0]["trained_steps"] == 2
+        assert one.state.log_history[0]["calls/update_transformer"] == 2  # 2 microbatches, one call each
     for key in ("states", "log_probs", "rewards", "advantages"):
         assert float((records[f"0/{key}"] - two[f"0/{key}"]).abs().max()) <= 1e-5, key
     first = {k: load_file(str(d / "checkpoint-1" / "pytorch_lora_weights.safetensors"))
