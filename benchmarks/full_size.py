@@ -16,7 +16,18 @@ recipe in ``trl_flow/recipes/`` where there is one, else the setting given here,
 * ``update``: ``FlowGRPOTrainer.optimize`` on that rollout vs the bare transformer forward + backward of the same
   calls (recorded with ``overhead.py``'s ``record_transformer_calls``), plus the no-grad reference forward when the
   recipe's ``beta`` > 0;
-* peak GPU memory of each (``torch.cuda.max_memory_allocated``) and of the weights alone.
+* peak GPU memory of each (``torch.cuda.max_memory_allocated``) and of the weights alone;
+* ``iterations``: on the same trainer, ``--repeats`` whole ``training_iteration`` calls per setting of
+  :data:`SETTINGS` (``baseline``: the recipe, every non-final step stochastic and trained; ``fast``:
+  ``sde_window_size=2``, ``shared_prefix`` with ``same_noise_per_group``, ``batch_replay_steps``,
+  ``trajectory_storage="trained"``), each with the trainer's own ``throughput/{rollout,update,iteration}_images_per_s``
+  (images per GPU-second, verl-omni's unit), ``calls/*``, ``rows/*``, ``throughput/tflops`` and, where the GPU's
+  peak is known (``trl_flow/engine/throughput.py``), ``throughput/mfu``; and its peak memory.
+
+``--table [JSON]`` prints a markdown table of a full_size JSON (family, setting, resolution x frames x batch, steps,
+images/s per phase, peak GiB, MFU; "not run on a GPU yet" rows for a dry-run or ``--tiny`` JSON); with ``--page
+docs/performance.md`` it also replaces the page's block between :data:`TABLE_START` and :data:`TABLE_END`
+(:func:`write_table`).
 
 Sampling steps are capped per family (``bench_steps``, or ``--steps``) so that every family fits its time budget: the
 per-step times do not depend on the number of steps, and the JSON records both the published and the run count.
@@ -29,6 +40,7 @@ imported in this version is ``status: "skipped"`` with the reason. The whole run
     python benchmarks/full_size.py --families flux.1-dev wan2.1-t2v-1.3b --out /tmp/fs.json
     python benchmarks/full_size.py --tiny --out /tmp/tiny.json   # CPU, tiny configs, seconds (the tests run this)
     python benchmarks/full_size.py --dry-run     # no GPU: build the real configs on the meta device, print sizes
+    python benchmarks/full_size.py --table benchmarks/results/full_size.json --page docs/performance.md
 """
 
 from __future__ import annotations
@@ -672,11 +684,12 @@ def render_table(data: dict) -> str:
     on_gpu = bool(meta.get("gpu")) and not meta.get("dry_run") and not meta.get("tiny")
     if on_gpu:
         caption = (f"{meta['gpu']}, torch {meta.get('torch')}, {meta.get('date')}; bf16, random weights, LoRA; "
-                   "images per GPU-second at the steps run (see the JSON's iterations_note).")
+                   "images per GPU-second at the steps run (see the JSON's iterations_note); batch: the samples of an "
+                   "iteration (one group of at least 2).")
     else:
         kind = "dry run (meta device)" if meta.get("dry_run") else "tiny CPU run" if meta.get("tiny") else "CPU run"
         caption = (f"Not run on a GPU yet: the JSON holds a {kind} of {meta.get('date')}; the sizes are the "
-                   "published settings.")
+                   "published settings, batch: the samples of an iteration (one group of at least 2).")
     lines = [caption, "", TABLE_HEADER, "|" + "---|" * TABLE_HEADER.count(" | ") + "---|"]
     for name, r in data.get("families", {}).items():
         if on_gpu or name not in SPECS:
