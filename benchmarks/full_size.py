@@ -456,8 +456,10 @@ def run_iteration(trainer, config, label: str, fields: dict, tracker: Tracker, d
     return out
 
 
-def measure(name: str, tiny: bool, steps: int | None, repeats: int, partial: str | None) -> dict:
-    """Run one family in this process; ``partial``: a JSON file rewritten after each stage."""
+def measure(name: str, tiny: bool, steps: int | None, repeats: int, partial: str | None,
+            settings: tuple[str, ...] = tuple(SETTINGS)) -> dict:
+    """Run one family in this process; ``partial``: a JSON file rewritten after each stage; ``settings``: the
+    training iterations to measure (names in :data:`SETTINGS`)."""
     from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
     from trl_flow.models import get_adapter
 
@@ -611,9 +613,9 @@ def measure(name: str, tiny: bool, steps: int | None, repeats: int, partial: str
             held = rollout = calls = embeds = pipe_embeds = x = v = None
             _free_memory(device)
             res["iterations"] = {}
-            for i, (label, fields) in enumerate(SETTINGS.items()):
+            for i, label in enumerate(settings):
                 res["stage"] = f"iteration:{label}"
-                res["iterations"][label] = run_iteration(trainer, config, label, fields, tracker, device,
+                res["iterations"][label] = run_iteration(trainer, config, label, SETTINGS[label], tracker, device,
                                                          1 + i * repeats, repeats)
                 save()
             res["status"], res["stage"] = "ok", "done"
@@ -699,7 +701,7 @@ def render_table(data: dict) -> str:
             setting = published_setting(SPECS[name])[0]
             steps = f"- / {setting['num_inference_steps']}"
         shape = _shape_cell(name, setting) if setting else "n/a"
-        for label in SETTINGS:
+        for label in (meta.get("settings") or SETTINGS) if on_gpu else SETTINGS:
             it = r.get("iterations", {}).get(label)
             if not on_gpu:
                 cells = [NOT_ON_GPU, "-", "-", "-", "-"]
@@ -739,7 +741,7 @@ def run_isolated(name: str, args, budget: float) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         partial = os.path.join(tmp, "result.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--one", name, "--partial", partial,
-               "--repeats", str(args.repeats)] + (["--tiny"] if args.tiny else []) + (
+               "--repeats", str(args.repeats), "--settings", *args.settings] + (["--tiny"] if args.tiny else []) + (
                ["--steps", str(args.steps)] if args.steps else [])
         t0 = time.perf_counter()
         try:
@@ -777,14 +779,20 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="JSON to write (default: benchmarks/results/full_size.json; with "
                                                 "--tiny full_size_tiny.json, with --dry-run full_size_dry_run.json)")
     ap.add_argument("--table", nargs="?", const="", default=None, metavar="JSON",
-                    help="print the markdown table of a full_size JSON (default: benchmarks/results/full_size.json) "
+                    help="print the markdown table of a full_size JSON (default: benchmarks/results/full_size.json, "
+                         "else full_size_dry_run.json) "
                          "and run nothing; with --page, also write it into that page between its markers")
+    ap.add_argument("--settings", nargs="*", default=list(SETTINGS), choices=list(SETTINGS),
+                    help="training iterations to measure per family (default: all; none: only the overhead stages)")
     ap.add_argument("--page", default=None, help="with --table: the page to update (e.g. docs/performance.md)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--partial", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.table is not None:
-        path = args.table or os.path.join(ROOT, "benchmarks", "results", "full_size.json")
+        results_dir = os.path.join(ROOT, "benchmarks", "results")
+        found = [p for p in (os.path.join(results_dir, f) for f in ("full_size.json", "full_size_dry_run.json"))
+                 if os.path.exists(p)]
+        path = args.table or (found or [os.path.join(results_dir, "full_size.json")])[0]
         if args.page:
             table = write_table(args.page, path)
         else:
@@ -799,7 +807,7 @@ def main(argv=None):
     if args.tiny:
         torch.set_num_threads(1)
     if args.one:
-        measure(args.one, args.tiny, args.steps, args.repeats, args.partial)
+        measure(args.one, args.tiny, args.steps, args.repeats, args.partial, tuple(args.settings))
         return None
     names = args.families or list(SPECS)
     unknown = [f for f in names if f not in SPECS]
@@ -838,7 +846,7 @@ def main(argv=None):
             results[name] = run_isolated(name, args, min(SPECS[name].budget_s, left))
         else:
             t0 = time.perf_counter()
-            results[name] = measure(name, args.tiny, args.steps, args.repeats, None)
+            results[name] = measure(name, args.tiny, args.steps, args.repeats, None, tuple(args.settings))
             results[name]["wall_s"] = time.perf_counter() - t0
         r = results[name]
         line = r.get("reason") or r.get("error") or (
@@ -854,7 +862,8 @@ def main(argv=None):
     meta = {"torch": torch.__version__, "platform": platform.platform(), "date": time.strftime("%Y-%m-%d"),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.tiny else None,
             "tiny": args.tiny, "repeats": args.repeats, "steps": args.steps, "time_limit_s": args.time_limit,
-            "wall_s": time.perf_counter() - start, "settings": SETTINGS,
+            "wall_s": time.perf_counter() - start,
+            "settings": {k: SETTINGS[k] for k in args.settings},
             "iterations_note": ITERATIONS_NOTE}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
