@@ -199,6 +199,26 @@ def test_out_of_memory_is_recorded_with_the_stage_and_earlier_results_kept(full_
     assert r["rollout"]["ratio"] > 0 and r["decode"]["s"] > 0 and "update" not in r
 
 
+def test_a_setting_out_of_memory_is_recorded_and_the_others_kept(full_size, monkeypatch):
+    from trl_flow import FlowGRPOTrainer
+
+    real = FlowGRPOTrainer.training_iteration
+
+    def oom_when_fast(self, step):
+        if self.config.batch_replay_steps:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+        return real(self, step)
+
+    monkeypatch.setattr(FlowGRPOTrainer, "training_iteration", oom_when_fast)
+    r = full_size.measure("sd3.5-medium", tiny=True, steps=None, repeats=1, partial=None,
+                          settings=("fast", "baseline"))
+    assert r["status"] == "ok" and list(r["iterations"]) == ["fast", "baseline"]
+    assert r["iterations"]["fast"]["status"] == "oom" and "9.00 GiB" in r["iterations"]["fast"]["error"]
+    assert r["iterations"]["baseline"]["status"] == "ok" and r["iterations"]["baseline"]["trained_steps"] == 3
+    none = full_size.measure("sd3.5-medium", tiny=True, steps=None, repeats=1, partial=None, settings=())
+    assert none["status"] == "ok" and none["iterations"] == {}
+
+
 def test_a_family_over_its_budget_is_recorded_as_a_timeout(full_size, monkeypatch, tmp_path):
     monkeypatch.setattr(full_size.SPECS["sd3.5-medium"], "budget_s", 1)
     out = tmp_path / "r.json"
