@@ -16,7 +16,18 @@ recipe in ``trl_flow/recipes/`` where there is one, else the setting given here,
 * ``update``: ``FlowGRPOTrainer.optimize`` on that rollout vs the bare transformer forward + backward of the same
   calls (recorded with ``overhead.py``'s ``record_transformer_calls``), plus the no-grad reference forward when the
   recipe's ``beta`` > 0;
-* peak GPU memory of each (``torch.cuda.max_memory_allocated``) and of the weights alone.
+* peak GPU memory of each (``torch.cuda.max_memory_allocated``) and of the weights alone;
+* ``iterations``: on the same trainer, ``--repeats`` whole ``training_iteration`` calls per setting of
+  :data:`SETTINGS` (``baseline``: the recipe, every non-final step stochastic and trained; ``fast``:
+  ``sde_window_size=2``, ``shared_prefix`` with ``same_noise_per_group``, ``batch_replay_steps``,
+  ``trajectory_storage="trained"``), each with the trainer's own ``throughput/{rollout,update,iteration}_images_per_s``
+  (images per GPU-second, verl-omni's unit), ``calls/*``, ``rows/*``, ``throughput/tflops`` and, where the GPU's
+  peak is known (``trl_flow/engine/throughput.py``), ``throughput/mfu``; and its peak memory.
+
+``--table [JSON]`` prints a markdown table of a full_size JSON (family, setting, resolution x frames x batch, steps,
+images/s per phase, peak GiB, MFU; "not run on a GPU yet" rows for a dry-run or ``--tiny`` JSON); with ``--page
+docs/performance.md`` it also replaces the page's block between :data:`TABLE_START` and :data:`TABLE_END`
+(:func:`write_table`).
 
 Sampling steps are capped per family (``bench_steps``, or ``--steps``) so that every family fits its time budget: the
 per-step times do not depend on the number of steps, and the JSON records both the published and the run count.
@@ -29,12 +40,15 @@ imported in this version is ``status: "skipped"`` with the reason. The whole run
     python benchmarks/full_size.py --families flux.1-dev wan2.1-t2v-1.3b --out /tmp/fs.json
     python benchmarks/full_size.py --tiny --out /tmp/tiny.json   # CPU, tiny configs, seconds (the tests run this)
     python benchmarks/full_size.py --dry-run     # no GPU: build the real configs on the meta device, print sizes
+    python benchmarks/full_size.py --table benchmarks/results/full_size.json --page docs/performance.md
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import gc
 import glob
 import json
 import os
@@ -110,7 +124,7 @@ SPECS: dict[str, Spec] = {
         text=dict(seq=77 + 256, width=4096, pooled=2048),  # CLIP-L/G (77) + T5 (256); pooled CLIP-L + CLIP-G
         setting=dict(height=512, width=512, num_inference_steps=10, guidance_scale=4.5, per_device_train_batch_size=8,
                      max_sequence_length=256, beta=0.01, lora_r=32, lora_alpha=64),
-        bench_steps=6, budget_s=55, source="Flow-GRPO's SD3.5-M settings (recipe sd35m_flow_grpo_pickscore)"),
+        bench_steps=6, budget_s=70, source="Flow-GRPO's SD3.5-M settings (recipe sd35m_flow_grpo_pickscore)"),
     "flux.1-dev": Spec(
         hub_id="black-forest-labs/FLUX.1-dev", pipeline="FluxPipeline", tiny_builder="tiny_flux_pipeline",
         transformer=("FluxTransformer2DModel", dict(
@@ -124,7 +138,7 @@ SPECS: dict[str, Spec] = {
         text=dict(seq=None, width=4096, pooled=768),  # T5-XXL tokens, CLIP-L pooled
         setting=dict(height=512, width=512, num_inference_steps=6, guidance_scale=3.5, per_device_train_batch_size=3,
                      max_sequence_length=128, beta=0.0, lora_r=64, lora_alpha=128),
-        bench_steps=6, budget_s=55, source="Flow-GRPO's FLUX.1-dev settings (recipe flux1_dev_flow_grpo)"),
+        bench_steps=6, budget_s=70, source="Flow-GRPO's FLUX.1-dev settings (recipe flux1_dev_flow_grpo)"),
     "wan2.1-t2v-1.3b": Spec(
         hub_id="Wan-AI/Wan2.1-T2V-1.3B-Diffusers", pipeline="WanPipeline", tiny_builder="tiny_wan_pipeline",
         transformer=("WanTransformer3DModel", dict(_WAN_TRANSFORMER, num_attention_heads=12, ffn_dim=8960,
@@ -135,7 +149,7 @@ SPECS: dict[str, Spec] = {
         setting=dict(height=240, width=416, num_frames=33, num_inference_steps=20, guidance_scale=4.5,
                      per_device_train_batch_size=8, max_sequence_length=512, beta=0.004, lora_r=32, lora_alpha=64,
                      gradient_checkpointing=True),
-        bench_steps=6, budget_s=70, source="Flow-GRPO's Wan2.1 settings (recipe wan21_t2v_1.3b_flow_grpo)"),
+        bench_steps=6, budget_s=85, source="Flow-GRPO's Wan2.1 settings (recipe wan21_t2v_1.3b_flow_grpo)"),
     "z-image": Spec(
         hub_id="Tongyi-MAI/Z-Image-Turbo", pipeline="ZImagePipeline", tiny_builder="tiny_zimage_pipeline",
         transformer=("ZImageTransformer2DModel", dict(
@@ -147,7 +161,7 @@ SPECS: dict[str, Spec] = {
         text=dict(seq=None, width=2560),  # Qwen3-4B hidden states
         setting=dict(height=512, width=512, num_inference_steps=6, guidance_scale=0.0, per_device_train_batch_size=4,
                      max_sequence_length=512, beta=0.0, lora_r=64, lora_alpha=128),
-        bench_steps=6, budget_s=50,
+        bench_steps=6, budget_s=65,
         source="configs: Tongyi-MAI/Z-Image-Turbo transformer/ and scheduler/ config.json (shift 3; the base "
                "Z-Image: 6)"),
     "flux.2-klein-base-9b": Spec(
@@ -163,7 +177,7 @@ SPECS: dict[str, Spec] = {
         text=dict(seq=None, width=12288),  # Qwen3-8B: 3 hidden layers of 4096 stacked
         setting=dict(height=384, width=384, num_inference_steps=8, guidance_scale=4.0, per_device_train_batch_size=1,
                      max_sequence_length=512, beta=0.0, lora_r=64, lora_alpha=128),
-        bench_steps=4, budget_s=45, pipeline_config={"is_distilled": False},
+        bench_steps=4, budget_s=60, pipeline_config={"is_distilled": False},
         source="configs: FLUX.2-klein-base-9B transformer/config.json (8 + 24 blocks, 32 heads, text 12288; the 4B: "
                "5 + 20, 24, 7680)"),
     "qwen-image": Spec(
@@ -178,7 +192,7 @@ SPECS: dict[str, Spec] = {
         text=dict(seq=None, width=3584),  # Qwen2.5-VL-7B hidden states
         setting=dict(height=512, width=512, num_inference_steps=10, guidance_scale=4.0, per_device_train_batch_size=4,
                      max_sequence_length=512, beta=0.0, lora_r=64, lora_alpha=128, gradient_checkpointing=True),
-        bench_steps=3, budget_s=60, pipe_kwargs={"true_cfg_scale": "{guidance}", "guidance_scale": None},
+        bench_steps=4, budget_s=85, pipe_kwargs={"true_cfg_scale": "{guidance}", "guidance_scale": None},
         source="configs: Qwen/Qwen-Image transformer/ and scheduler/ config.json"),
     "flux.2-dev": Spec(
         hub_id="black-forest-labs/FLUX.2-dev", pipeline="Flux2Pipeline", tiny_builder="tiny_flux2_pipeline",
@@ -192,7 +206,7 @@ SPECS: dict[str, Spec] = {
         text=dict(seq=None, width=15360),  # Mistral-Small-3.1: 3 hidden layers of 5120 stacked
         setting=dict(height=512, width=512, num_inference_steps=8, guidance_scale=4.0, per_device_train_batch_size=1,
                      max_sequence_length=512, beta=0.0, lora_r=64, lora_alpha=128, gradient_checkpointing=True),
-        bench_steps=4, budget_s=75,
+        bench_steps=4, budget_s=95,
         source="configs: black-forest-labs/FLUX.2-dev transformer/config.json (= diffusers' defaults)"),
     "wan2.2-t2v-a14b": Spec(
         hub_id="Wan-AI/Wan2.2-T2V-A14B-Diffusers", pipeline="WanPipeline", tiny_builder="tiny_wan22_pipeline",
@@ -205,12 +219,39 @@ SPECS: dict[str, Spec] = {
         setting=dict(height=480, width=480, num_frames=5, num_inference_steps=10, guidance_scale=4.0,
                      guidance_scale_2=3.0, per_device_train_batch_size=1, max_sequence_length=512, beta=0.0, lora_r=64,
                      lora_alpha=128, gradient_checkpointing=True, experts="all"),
-        bench_steps=4, budget_s=80, pipeline_config={"boundary_ratio": 0.875},
+        bench_steps=4, budget_s=100, pipeline_config={"boundary_ratio": 0.875},
         source="configs: Wan2.2-T2V-A14B-Diffusers (two 14B experts, boundary_ratio 0.875); setting: Flow-Factory's "
                "Wan2.2 GRPO example (recipe wan22_t2v_a14b_flow_grpo)"),
 }
+# SD3.5-M and Qwen-Image first: the families the peers report (verl-omni: SD3.5-M and Qwen-Image LoRA), so they are
+# measured before --time-limit can cut the run short.
+FIRST_FAMILIES = ("sd3.5-medium", "qwen-image")
+SPECS = {**{k: SPECS[k] for k in FIRST_FAMILIES}, **{k: v for k, v in SPECS.items() if k not in FIRST_FAMILIES}}
 
-TINY_SETTING = dict(height=32, width=32, num_frames=5, num_inference_steps=3, per_device_train_batch_size=2,
+#: The training iterations measured per family (``throughput/*_images_per_s``, ``rows/*``, ``calls/*``, MFU and
+#: peak memory), each at the recipe's setting: ``baseline`` as the recipe runs (every non-final step stochastic and
+#: trained); ``fast`` with the speed techniques on (the trainer's defaults for every other field).
+SETTINGS: dict[str, dict] = {
+    "baseline": {},
+    "fast": dict(sde_window_size=2, shared_prefix=True, same_noise_per_group=True, batch_replay_steps=True,
+                 trajectory_storage="trained"),
+}
+ITERATIONS_NOTE = (
+    "Per family, after the overhead stages (kernels warm) and on the same trainer: --repeats training_iteration calls "
+    "per setting (medians), baseline first, at the family's steps_run (bench_steps, not the published count: images/s "
+    "at the published count are lower, the rollout's by about steps_run / steps_published); fast at the same steps "
+    "and repeats as baseline (no reduction); its window start is drawn per iteration, so its ODE prefix (shared) "
+    "varies between 0 and steps_run // 2 - 1 steps. images_per_s = samples / seconds on one GPU (images per "
+    "GPU-second); rollout includes prompt encoding (random embeddings), decode and reward; MFU: the trainer's "
+    "throughput/mfu (dense bf16 peak by GPU name; none on the CPU or an unknown GPU).")
+#: The trainer metrics each setting records (``training_iteration``'s names, engine/throughput.py).
+ITERATION_METRICS = ("throughput/rollout_images_per_s", "throughput/update_images_per_s",
+                     "throughput/iteration_images_per_s", "time/rollout_s", "time/update_s", "time/reward_s",
+                     "calls/rollout_transformer", "calls/update_transformer", "rows/rollout_transformer",
+                     "rows/update_transformer", "calls/text_encoder", "throughput/tflop", "throughput/tflops",
+                     "throughput/mfu")
+
+TINY_SETTING = dict(height=32, width=32, num_frames=5, num_inference_steps=4, per_device_train_batch_size=2,
                     max_sequence_length=16, lora_r=4, lora_alpha=8, gradient_checkpointing=False)
 SETTING_KEYS = ("height", "width", "num_frames", "num_inference_steps", "guidance_scale",
                 "per_device_train_batch_size",
@@ -373,8 +414,52 @@ class Tracker:
         return round(torch.cuda.memory_allocated() / 2**30, 3) if self.cuda else None
 
 
-def measure(name: str, tiny: bool, steps: int | None, repeats: int, partial: str | None) -> dict:
-    """Run one family in this process; ``partial``: a JSON file rewritten after each stage."""
+def _free_memory(device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_iteration(trainer, config, label: str, fields: dict, tracker: Tracker, device, step: int,
+                  repeats: int) -> dict:
+    """``repeats`` calls of ``trainer.training_iteration`` with ``fields`` over the recipe's ``config`` (the trainer
+    reads these fields at call time, so one trainer, its LoRA and optimizer serve every setting): the trainer's own
+    throughput metrics (medians), its transformer calls and rows, trained steps and the peak memory. An
+    out-of-memory or failing setting is recorded (``status``) without stopping the next one."""
+    out = {"config": dict(fields), "repeats": repeats, "status": "running"}
+    try:
+        trainer.config = dataclasses.replace(config, **fields)
+        trainer._check_batch_replay_steps()
+        runs = []
+        for r in range(repeats):
+            got = {}
+            tracker.wrap(f"iteration:{label}", lambda s=step + r: got.update(trainer.training_iteration(s)))()
+            got["trained_steps"] = len(trainer.last_rollout.trained_steps())
+            out["trained_step_indices"] = [int(k) for k in trainer.last_rollout.trained_steps()]  # (the last run's)
+            got["samples"] = len(trainer.last_rollout)
+            trainer.last_rollout = None
+            runs.append(got)
+        for key in (*ITERATION_METRICS, "trained_steps", "samples"):
+            values = sorted(float(r[key]) for r in runs if key in r)
+            if values:
+                out[key.split("/", 1)[-1] if key.startswith("throughput/") else key] = values[len(values) // 2]
+        out["peak_gib"] = tracker.peaks.get(f"iteration:{label}")
+        out["status"] = "ok"
+    except torch.OutOfMemoryError as e:
+        out["status"], out["error"] = "oom", str(e).splitlines()[0]
+    except Exception as e:  # recorded; the next setting still runs
+        out["status"], out["error"] = "error", f"{type(e).__name__}: {e}"
+    finally:
+        trainer.config = config
+        trainer.last_rollout = None
+        _free_memory(device)
+    return out
+
+
+def measure(name: str, tiny: bool, steps: int | None, repeats: int, partial: str | None,
+            settings: tuple[str, ...] = tuple(SETTINGS)) -> dict:
+    """Run one family in this process; ``partial``: a JSON file rewritten after each stage; ``settings``: the
+    training iterations to measure (names in :data:`SETTINGS`)."""
     from trl_flow import FlowGRPOConfig, FlowGRPOTrainer
     from trl_flow.models import get_adapter
 
@@ -523,6 +608,16 @@ def measure(name: str, tiny: bool, steps: int | None, repeats: int, partial: str
                              "fwd_bwd_s": t["fwd_bwd"], "trl_step_s": t["trl"] / max(1, len(trained)),
                              "ratio": t["trl"] / t["fwd_bwd"], "baseline": "fwd+bwd" + (" + ref fwd" if beta else ""),
                              "peak_gib": tracker.peaks.get("update"), "fwd_bwd_peak_gib": tracker.peaks.get("fwd_bwd")}
+            # ---------------------------------------------------------------------------- training iterations
+            # the overhead stages' tensors (rollout, recorded calls): dropped, so the iterations' peaks exclude them
+            held = rollout = calls = embeds = pipe_embeds = x = v = None
+            _free_memory(device)
+            res["iterations"] = {}
+            for i, label in enumerate(settings):
+                res["stage"] = f"iteration:{label}"
+                res["iterations"][label] = run_iteration(trainer, config, label, SETTINGS[label], tracker, device,
+                                                         1 + i * repeats, repeats)
+                save()
             res["status"], res["stage"] = "ok", "done"
     except torch.OutOfMemoryError as e:
         res["status"], res["error"] = "oom", f"{res['stage']}: {str(e).splitlines()[0]}"
@@ -563,13 +658,90 @@ def dry_run(name: str) -> dict:
             "rollout_mb_per_sample": round(adapter.rollout_bytes(1, K, h, w) / 1e6, 3)}
 
 
+# ----------------------------------------------------------------------------------------------- table
+TABLE_START = "<!-- full-size table: generated by benchmarks/full_size.py --table -->"
+TABLE_END = "<!-- end of full-size table -->"
+TABLE_HEADER = ("| Family | Setting | Resolution x frames x batch | Steps (run / published) | Rollout images/s "
+                "| Update images/s | Iteration images/s | Peak memory GiB | MFU |")
+NOT_ON_GPU = "not run on a GPU yet"
+
+
+def _shape_cell(name: str, setting: dict) -> str:
+    spec = SPECS.get(name)
+    video = "num_frames" in (spec.setting if spec is not None else setting)
+    frames = f" x {setting['num_frames']}" if video and "num_frames" in setting else ""
+    batch = max(2, int(setting.get("per_device_train_batch_size", 2)))  # the run's group: at least 2 samples
+    return f"{setting.get('height')} x {setting.get('width')}{frames} x {batch}"
+
+
+def _num(value, fmt="{:.3g}") -> str:
+    return "n/a" if value is None else fmt.format(value)
+
+
+def render_table(data: dict) -> str:
+    """A markdown table of a full_size JSON (``data``: the parsed file): one row per family and setting
+    (:data:`SETTINGS`) with images per second of the rollout, the update and the whole iteration, the peak memory
+    and the MFU estimate. A dry-run or ``--tiny`` JSON (no GPU numbers) gives rows that say so."""
+    meta = data.get("meta", {})
+    on_gpu = bool(meta.get("gpu")) and not meta.get("dry_run") and not meta.get("tiny")
+    if on_gpu:
+        caption = (f"{meta['gpu']}, torch {meta.get('torch')}, {meta.get('date')}; bf16, random weights, LoRA; "
+                   "images per GPU-second at the steps run (see the JSON's iterations_note); batch: the samples of an "
+                   "iteration (one group of at least 2).")
+    else:
+        kind = "dry run (meta device)" if meta.get("dry_run") else "tiny CPU run" if meta.get("tiny") else "CPU run"
+        caption = (f"Not run on a GPU yet: the JSON holds a {kind} of {meta.get('date')}; the sizes are the "
+                   "published settings, batch: the samples of an iteration (one group of at least 2).")
+    lines = [caption, "", TABLE_HEADER, "|" + "---|" * TABLE_HEADER.count(" | ") + "---|"]
+    for name, r in data.get("families", {}).items():
+        if on_gpu or name not in SPECS:
+            setting = r.get("setting") or {}
+            steps = f"{r.get('steps_run', '-')} / {r.get('steps_published', setting.get('num_inference_steps', '-'))}"
+        else:  # a tiny run's setting is the tiny one: show the published setting
+            setting = published_setting(SPECS[name])[0]
+            steps = f"- / {setting['num_inference_steps']}"
+        shape = _shape_cell(name, setting) if setting else "n/a"
+        for label in (meta.get("settings") or SETTINGS) if on_gpu else SETTINGS:
+            it = r.get("iterations", {}).get(label)
+            if not on_gpu:
+                cells = [NOT_ON_GPU, "-", "-", "-", "-"]
+            elif it is None or it.get("status") != "ok":
+                why = (it or {}).get("error") or r.get("reason") or r.get("error") or "not measured"
+                status = (it or {}).get("status") if it else r.get("status")
+                cells = [f"{status}: {why}".replace("|", "/")[:120], "-", "-", "-", "-"]
+            else:
+                mfu = it.get("mfu")
+                cells = [_num(it.get("rollout_images_per_s")), _num(it.get("update_images_per_s")),
+                         _num(it.get("iteration_images_per_s")), _num(it.get("peak_gib"), "{:.1f}"),
+                         "n/a" if mfu is None else f"{100 * mfu:.1f}%"]
+            lines.append(f"| {name} | {label} | {shape} | {steps} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_table(page_path: str, json_path: str) -> str:
+    """Replace what lies between :data:`TABLE_START` and :data:`TABLE_END` in ``page_path`` with the table of
+    ``json_path``; returns the table. The page must hold both markers, in that order (a ValueError otherwise)."""
+    with open(json_path, encoding="utf-8") as f:
+        table = render_table(json.load(f))
+    with open(page_path, encoding="utf-8") as f:
+        page = f.read()
+    start = page.find(TABLE_START)
+    end = page.find(TABLE_END, start + len(TABLE_START)) if start >= 0 else -1
+    if start < 0 or end < 0:
+        raise ValueError(f"{page_path}: needs the markers {TABLE_START!r} and then {TABLE_END!r}")
+    page = page[:start + len(TABLE_START)] + "\n" + table + page[end:]
+    with open(page_path, "w", encoding="utf-8") as f:
+        f.write(page)
+    return table
+
+
 # ----------------------------------------------------------------------------------------------- driver
 def run_isolated(name: str, args, budget: float) -> dict:
     """One family in a fresh process, killed after ``budget`` seconds (its finished stages are kept)."""
     with tempfile.TemporaryDirectory() as tmp:
         partial = os.path.join(tmp, "result.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--one", name, "--partial", partial,
-               "--repeats", str(args.repeats)] + (["--tiny"] if args.tiny else []) + (
+               "--repeats", str(args.repeats), "--settings", *args.settings] + (["--tiny"] if args.tiny else []) + (
                ["--steps", str(args.steps)] if args.steps else [])
         t0 = time.perf_counter()
         try:
@@ -606,9 +778,28 @@ def main(argv=None):
                     help="one process per family with its budget (auto: on the GPU, not with --tiny)")
     ap.add_argument("--out", default=None, help="JSON to write (default: benchmarks/results/full_size.json; with "
                                                 "--tiny full_size_tiny.json, with --dry-run full_size_dry_run.json)")
+    ap.add_argument("--table", nargs="?", const="", default=None, metavar="JSON",
+                    help="print the markdown table of a full_size JSON (default: benchmarks/results/full_size.json, "
+                         "else full_size_dry_run.json) "
+                         "and run nothing; with --page, also write it into that page between its markers")
+    ap.add_argument("--settings", nargs="*", default=list(SETTINGS), choices=list(SETTINGS),
+                    help="training iterations to measure per family (default: all; none: only the overhead stages)")
+    ap.add_argument("--page", default=None, help="with --table: the page to update (e.g. docs/performance.md)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--partial", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.table is not None:
+        results_dir = os.path.join(ROOT, "benchmarks", "results")
+        found = [p for p in (os.path.join(results_dir, f) for f in ("full_size.json", "full_size_dry_run.json"))
+                 if os.path.exists(p)]
+        path = args.table or (found or [os.path.join(results_dir, "full_size.json")])[0]
+        if args.page:
+            table = write_table(args.page, path)
+        else:
+            with open(path, encoding="utf-8") as f:
+                table = render_table(json.load(f))
+        print(table, end="")
+        return table
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.out is None:
         suffix = "_dry_run" if args.dry_run else "_tiny" if args.tiny else ""
@@ -616,7 +807,7 @@ def main(argv=None):
     if args.tiny:
         torch.set_num_threads(1)
     if args.one:
-        measure(args.one, args.tiny, args.steps, args.repeats, args.partial)
+        measure(args.one, args.tiny, args.steps, args.repeats, args.partial, tuple(args.settings))
         return None
     names = args.families or list(SPECS)
     unknown = [f for f in names if f not in SPECS]
@@ -655,17 +846,25 @@ def main(argv=None):
             results[name] = run_isolated(name, args, min(SPECS[name].budget_s, left))
         else:
             t0 = time.perf_counter()
-            results[name] = measure(name, args.tiny, args.steps, args.repeats, None)
+            results[name] = measure(name, args.tiny, args.steps, args.repeats, None, tuple(args.settings))
             results[name]["wall_s"] = time.perf_counter() - t0
         r = results[name]
         line = r.get("reason") or r.get("error") or (
             f"rollout/pipe {r['rollout']['ratio']:.3f}, update/fwd+bwd {r['update']['ratio']:.3f}, "
             f"peak {r.get('peak_gib', r.get('peak_rss_mib'))}")
         print(f"{name:>22}: {r['status']:<8} {line}", flush=True)
+        for label, it in r.get("iterations", {}).items():
+            line = it.get("error") or (
+                f"images/s rollout {it['rollout_images_per_s']:.3g}, update {it['update_images_per_s']:.3g}, "
+                f"iteration {it['iteration_images_per_s']:.3g}; update rows {it['rows/update_transformer']:.0f}; "
+                f"peak {it.get('peak_gib')} GiB; MFU {it.get('mfu')}")
+            print(f"{'':>22}  {label:<8} {it['status']:<6} {line}", flush=True)
     meta = {"torch": torch.__version__, "platform": platform.platform(), "date": time.strftime("%Y-%m-%d"),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.tiny else None,
             "tiny": args.tiny, "repeats": args.repeats, "steps": args.steps, "time_limit_s": args.time_limit,
-            "wall_s": time.perf_counter() - start}
+            "wall_s": time.perf_counter() - start,
+            "settings": {k: SETTINGS[k] for k in args.settings},
+            "iterations_note": ITERATIONS_NOTE}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "families": results}, f, indent=1)

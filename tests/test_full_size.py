@@ -35,10 +35,22 @@ def _quiet_scheduler_swap(monkeypatch):
     monkeypatch.setattr(wan, "_SCHEDULER_SWAP_WARNED", True)
 
 
-def test_tiny_runs_every_available_family(full_size, tmp_path):
-    out = tmp_path / "tiny.json"
-    full_size.main(["--tiny", "--out", str(out)])
-    data = json.loads(out.read_text())
+@pytest.fixture(scope="module")
+def tiny_json(full_size, tmp_path_factory):
+    """One ``--tiny`` run of every family (CPU, seconds), shared by the tests that read its JSON."""
+    import trl_flow.models.wan as wan
+
+    old, wan._SCHEDULER_SWAP_WARNED = wan._SCHEDULER_SWAP_WARNED, True
+    try:
+        out = tmp_path_factory.mktemp("full_size") / "tiny.json"
+        full_size.main(["--tiny", "--out", str(out)])
+    finally:
+        wan._SCHEDULER_SWAP_WARNED = old
+    return out
+
+
+def test_tiny_runs_every_available_family(full_size, tiny_json):
+    data = json.loads(tiny_json.read_text())
     assert data["meta"]["tiny"] is True
     families = data["families"]
     assert list(families) == list(full_size.SPECS)
@@ -66,6 +78,78 @@ def test_tiny_runs_every_available_family(full_size, tmp_path):
     assert ran >= 3  # SD3.5, FLUX.1 and Wan2.1 are always there
     for name in ("sd3.5-medium", "flux.1-dev", "wan2.1-t2v-1.3b"):
         assert families[name]["setting_source"].startswith("recipe trl_flow/recipes/")
+
+
+def test_tiny_measures_baseline_and_fast_iterations(full_size, tiny_json):
+    data = json.loads(tiny_json.read_text())
+    assert data["meta"]["settings"] == full_size.SETTINGS and "iterations_note" in data["meta"]
+    assert list(full_size.SPECS)[:2] == ["sd3.5-medium", "qwen-image"]  # the peers' families first
+    K = full_size.TINY_SETTING["num_inference_steps"]
+    for name, r in data["families"].items():
+        if r["status"] == "skipped":
+            continue
+        its = r["iterations"]
+        assert list(its) == ["baseline", "fast"], name
+        base, fast = its["baseline"], its["fast"]
+        for it in (base, fast):
+            assert it["status"] == "ok", (name, it.get("error"))
+            for key in ("rollout_images_per_s", "update_images_per_s", "iteration_images_per_s", "tflops"):
+                assert math.isfinite(it[key]) and it[key] > 0, (name, key, it[key])
+            assert it["samples"] == 2 and it["peak_gib"] is None  # CPU: no CUDA peak, no MFU (no known peak)
+            assert "mfu" not in it
+            assert it["iteration_images_per_s"] < min(it["rollout_images_per_s"], it["update_images_per_s"])
+        assert base["config"] == {} and fast["config"] == full_size.SETTINGS["fast"]
+        assert base["trained_steps"] == K - 1 and fast["trained_steps"] == 2  # the window of 2 of K
+        assert fast["rows/update_transformer"] < base["rows/update_transformer"], name
+        assert fast["calls/update_transformer"] < base["calls/update_transformer"], name  # one batched call
+        assert fast["rows/rollout_transformer"] <= base["rows/rollout_transformer"], name  # shared ODE prefix
+
+
+def test_table_of_a_tiny_json_says_not_run_on_a_gpu(full_size, tiny_json, tmp_path, capsys):
+    table = full_size.main(["--table", str(tiny_json)])
+    assert capsys.readouterr().out == table
+    lines = table.splitlines()
+    assert lines[0].startswith("Not run on a GPU yet") and lines[2] == full_size.TABLE_HEADER
+    rows = [line for line in lines[4:] if line]
+    families = json.loads(tiny_json.read_text())["families"]
+    assert len(rows) == 2 * len(families)
+    assert all(full_size.NOT_ON_GPU in row for row in rows)
+    assert "| sd3.5-medium | baseline | 512 x 512 x 8 | - / 10 |" in rows[0]  # published, not tiny, sizes
+    assert "| sd3.5-medium | fast |" in rows[1]
+    wan = next(row for row in rows if row.startswith("| wan2.1-t2v-1.3b | baseline"))
+    assert "| 240 x 416 x 33 x 8 |" in wan  # video: frames
+
+    page = tmp_path / "performance.md"
+    page.write_text(f"# Performance\n\nintro\n\n{full_size.TABLE_START}\nold table\n{full_size.TABLE_END}\n\nafter\n")
+    full_size.main(["--table", str(tiny_json), "--page", str(page)])
+    text = page.read_text()
+    assert "old table" not in text and text.startswith("# Performance\n\nintro\n\n")
+    assert text.endswith(f"{full_size.TABLE_END}\n\nafter\n")
+    assert f"{full_size.TABLE_START}\n{table}{full_size.TABLE_END}" in text
+    assert full_size.write_table(str(page), str(tiny_json)) == table and page.read_text() == text  # idempotent
+    page.write_text("no markers\n")
+    with pytest.raises(ValueError, match="needs the markers"):
+        full_size.write_table(str(page), str(tiny_json))
+
+
+def test_table_of_a_gpu_json_gives_images_per_s_memory_and_mfu(full_size, tiny_json, tmp_path):
+    data = json.loads(tiny_json.read_text())
+    data["meta"].update(tiny=False, gpu="NVIDIA H100 80GB HBM3")
+    sd3 = data["families"]["sd3.5-medium"]
+    for label, it in sd3["iterations"].items():
+        it.update(peak_gib=30.25, mfu=0.3141, rollout_images_per_s=1.5, update_images_per_s=0.75,
+                  iteration_images_per_s=0.5)
+    sd3["iterations"]["fast"] = {"status": "oom", "error": "CUDA out of memory. Tried to allocate 2 GiB"}
+    data["families"]["flux.1-dev"] = {"family": "flux.1-dev", "status": "timeout", "error": "update: over its budget"}
+    table = full_size.render_table(data)
+    assert table.startswith("NVIDIA H100 80GB HBM3, torch")
+    rows = {tuple(c.strip() for c in line.split("|")[1:3]): line for line in table.splitlines()
+            if line.startswith("| ") and "Family" not in line}
+    base = rows[("sd3.5-medium", "baseline")]
+    K = sd3["steps_run"]
+    assert f"| {K} / {sd3['steps_published']} | 1.5 | 0.75 | 0.5 | 30.2 | 31.4% |" in base
+    assert "| oom: CUDA out of memory" in rows[("sd3.5-medium", "fast")]
+    assert "| timeout: update: over its budget |" in rows[("flux.1-dev", "baseline")]
 
 
 # Published sizes of the transformers (billions of parameters): the configs in the script must build models of
@@ -113,6 +197,26 @@ def test_out_of_memory_is_recorded_with_the_stage_and_earlier_results_kept(full_
     r = full_size.measure("sd3.5-medium", tiny=True, steps=None, repeats=1, partial=None)
     assert r["status"] == "oom" and r["error"].startswith("update: CUDA out of memory")
     assert r["rollout"]["ratio"] > 0 and r["decode"]["s"] > 0 and "update" not in r
+
+
+def test_a_setting_out_of_memory_is_recorded_and_the_others_kept(full_size, monkeypatch):
+    from trl_flow import FlowGRPOTrainer
+
+    real = FlowGRPOTrainer.training_iteration
+
+    def oom_when_fast(self, step):
+        if self.config.batch_replay_steps:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+        return real(self, step)
+
+    monkeypatch.setattr(FlowGRPOTrainer, "training_iteration", oom_when_fast)
+    r = full_size.measure("sd3.5-medium", tiny=True, steps=None, repeats=1, partial=None,
+                          settings=("fast", "baseline"))
+    assert r["status"] == "ok" and list(r["iterations"]) == ["fast", "baseline"]
+    assert r["iterations"]["fast"]["status"] == "oom" and "9.00 GiB" in r["iterations"]["fast"]["error"]
+    assert r["iterations"]["baseline"]["status"] == "ok" and r["iterations"]["baseline"]["trained_steps"] == 3
+    none = full_size.measure("sd3.5-medium", tiny=True, steps=None, repeats=1, partial=None, settings=())
+    assert none["status"] == "ok" and none["iterations"] == {}
 
 
 def test_a_family_over_its_budget_is_recorded_as_a_timeout(full_size, monkeypatch, tmp_path):
