@@ -509,10 +509,20 @@ def make_trainer(label: str, seed: int, tier_id: int, steps: int, out: str, base
             raise SystemExit(f"--base {base_name}: the editing tier takes 'edit' (the committed editing base) or a "
                              "scripts/pretrain_shapes_edit.py folder")
         base = shapes.load_edit_base_pipeline(path=None if base_name in (None, "edit") else base_name)
-        return tr_cls(config, base, [reward], train_dataset=Dataset.from_dict(edit_rows(tier)))
+        return tr_cls(config, _own_settings_only(base), [reward], train_dataset=Dataset.from_dict(edit_rows(tier)))
     # a committed base (clean, noisy: shapes.BASE_MODEL_VARIANTS) or a save_pretrained folder (pretrain_shapes.py)
     base = shapes.load_base_pipeline(variant=base_name or tier["base"])
-    return tr_cls(config, base, [reward], train_dataset=train_prompts(tier))
+    return tr_cls(config, _own_settings_only(base), [reward], train_dataset=train_prompts(tier))
+
+
+def _own_settings_only(pipe):
+    """``pipe`` declaring no sampling settings of its own: the harness sets every one (``BASE``, the tier's config, the
+    method's overrides), and a model's ``trl_flow_defaults.json`` would replace a field a method sets to its dataclass
+    default (``diffusion_nft``'s and the UniRL labels' guidance_scale 1.0 became the noisy base's 3.0)."""
+    from trl_flow.trainers.trl_compat import MODEL_DEFAULTS_ATTR
+
+    setattr(pipe, MODEL_DEFAULTS_ATTR, {})
+    return pipe
 
 
 def run_one(label: str, seed: int, tier_id: int, steps: int, eval_every: int, eval_scale: float, out: str,
