@@ -23,10 +23,17 @@ model than this machine's (its ``machine`` record) is skipped: its float kernels
 Not reproduced (the exact comparison is kept; these batches are left out or skipped):
 
 * shapes_tier3_sharp (Flow-GRPO and Flow-DPPO, lr 5e-4, the sharp base): made on an Intel Xeon; on an AMD EPYC
-  iteration 1's rollout repeats (reward, reward_std, advantage_abs equal) but loss and grad_norm differ in the 7th
-  digit (flow_dppo@0.0005 seed 0: loss -0.045527920036 committed, -0.045527914112 here; flow_grpo@0.0005 the same
-  kind), and the harness at the batch's own commit (e2a1d8a) gives this machine's numbers bit for bit: the CPU, not
-  the code. Its case runs on an Intel Xeon and is skipped elsewhere.
+  iteration 1's rollout repeats (reward, reward_std, advantage_abs equal) but loss and grad_norm do not
+  (flow_dppo@0.0005 seed 0: loss -0.045527920036 committed, -0.045527914112 here, grad_norm 0.0096138675 against
+  0.0096143032; flow_grpo@0.0005 seed 0: loss 4.50499e-06 against 4.49539e-06, grad_norm 0.01206219 against
+  0.01206171), and the harness at the batch's own commit (e2a1d8a) gives this machine's Flow-DPPO numbers bit for
+  bit: the CPU, not the code. Its case is skipped on other CPU models (not yet run on an Intel Xeon).
+* shapes_tier2_matched stepwise@0.001 (Stepwise T' = 5, seed 0; made 2026-12-02 for shapes_tier2_lr on an "AMD EPYC"
+  whose machine record's calibration_s is 0.434, against 0.15-0.17 for the machines whose runs repeat here):
+  iteration 1's rollout repeats, loss 3.5907090e-05 here against 3.5902951e-05 committed, grad_norm 0.0087481628
+  against 0.0087480121; the harness at the commits that committed it (be5e82d, 361663a) gives this machine's numbers
+  bit for bit: the machine, not the code (the CPU-model skip cannot tell the two apart: both name "AMD EPYC").
+  Stepwise is covered by stepwise_t2@0.001 (the same trainer at T' = 2).
 * the editing tier (shapes_edit_long flow_grpo@0.001 and shapes_edit_lr5e4 flow_grpo@0.0005, beta 0.04 as their
   configs record; made on an AMD EPYC): iteration 1's reward is 0.2109375 here against the committed 0.265625, at
   HEAD and equally at the commits that committed them (0e5ee9f, 876cba3), while the editing base's evaluation (128
@@ -35,7 +42,7 @@ Not reproduced (the exact comparison is kept; these batches are left out or skip
   code (the library versions of the machine that made them, or an uncommitted working tree), not on a change since.
   No label reproduces them.
 
-Left out for the file's time (about 3.5 minutes on 2 loaded cores): the other rates and seeds of each batch, the
+Left out for the file's time (about 3.2 minutes on 2 loaded cores): the other rates and seeds of each batch, the
 labels run in the same batch as a covered one with one setting changed (shapes_tier2_matched's flow_dppo_1epoch,
 flow_grpo_2epochs, stepwise_t3; shapes_tier2b's flow_dppo_1epoch, flow_grpo_2epochs, stepwise_t2, stepwise_t3; the
 OP-GRPO ablation labels of shapes_tier2_op and shapes_sparse; shapes_sparse's flow_grpo), shapes_tier2b_mixed (the
