@@ -177,8 +177,8 @@ def test_a_tracked_run_keeps_its_processes_together_after_train(tmp_path):
 #: puts samples of both groups on each process, so each process computes the prefix of the groups it holds.
 SHARED_PREFIX = dict(same_noise_per_group=True, shared_prefix=True, sde_window_size=1, sde_window_range=3, seed=5)
 #: ... and with the other speed fields of Flow-GRPO-Fast's settings (docs/performance.md) on top
-FAST = dict(SHARED_PREFIX, sde_window_size=2, sde_window_range=2, batch_replay_steps=True, trajectory_storage="trained", offload_rollout_to_cpu=True,
-            cache_prompt_embeds=True)
+FAST = dict(SHARED_PREFIX, sde_window_size=2, sde_window_range=2, batch_replay_steps=True,
+            trajectory_storage="trained", offload_rollout_to_cpu=True, cache_prompt_embeds=True)
 
 
 @pytest.mark.slow
