@@ -1048,3 +1048,32 @@ def test_readme_table_cells_are_short():
     long = [(n, len(cell)) for n, line in enumerate(open(os.path.join(ROOT, "README.md"), encoding="utf-8"), 1)
             if line.startswith("|") for cell in line.strip().strip("|").split(" | ") if len(cell) > 160]
     assert long == []
+
+
+def _benchmark_module(name: str):
+    """benchmarks/<name>.py as a fresh module."""
+    import importlib.util
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))  # full_size imports overhead's helpers
+    spec = importlib.util.spec_from_file_location(f"_docs_{name}", os.path.join(ROOT, "benchmarks", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # a dataclass in the module looks its module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_performance_page_tables_are_the_committed_measurements():
+    """docs/performance.md's CPU table is benchmarks/results/throughput.json rendered, and its full-size table the
+    committed full_size JSON (a GPU run's, or the dry run's "not run on a GPU yet" rows)."""
+    with open(os.path.join(ROOT, "docs", "performance.md"), encoding="utf-8") as f:
+        page = f.read()
+    throughput = _benchmark_module("throughput")
+    with open(throughput.OUT) as f:
+        assert throughput.render_page_block(json.load(f)) in page
+    full_size = _benchmark_module("full_size")
+    results = os.path.join(ROOT, "benchmarks", "results")
+    path = next(p for p in (os.path.join(results, n) for n in ("full_size.json", "full_size_dry_run.json"))
+                if os.path.exists(p))
+    with open(path) as f:
+        table = full_size.render_table(json.load(f))
+    assert f"{full_size.TABLE_START}\n{table}" in page
