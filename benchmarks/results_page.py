@@ -44,6 +44,15 @@ def by_rate(*methods: tuple[str, str]) -> dict[str, str]:
     return {f"{m}@{lr}": f"{name}, lr {lr}" for lr in ("0.0005", "0.001", "0.002") for m, name in methods}
 
 
+LAYOUT = {"flow_grpo_mixed@0.001": "Flow-GRPO, mixed", "flow_grpo@0.001": "Flow-GRPO, by prompt",
+          "flow_dppo_1epoch_mixed@0.001": "Flow-DPPO, 1 epoch, mixed",
+          "flow_dppo_1epoch@0.001": "Flow-DPPO, 1 epoch, by prompt"}
+UNIRL = {"flow_dppo_unirl@0.001": "Flow-DPPO, released code's form",
+         "flow_grpo_unirl_steps@0.001": "Flow-GRPO, the same steps and CFG"}
+G4_ONE = {"op_grpo_g4_one@0.0005": "OP-GRPO, one buffered trajectory per group, G = 4",
+          "flow_grpo_g4@0.0005": "Flow-GRPO, G = 4"}
+
+
 # Each panel: one committed results folder, the runs shown (label -> name on the page) and what they are.
 PANELS = {
     "tier2": dict(folder="shapes_tier2_matched",
@@ -83,6 +92,10 @@ PANELS = {
                     title="Tier 2, prompt set A: DiffusionNFT and Flow-GRPO, both sampled with CFG 3, three learning "
                           "rates",
                     methods=by_rate(("flow_grpo", "Flow-GRPO"), ("diffusion_nft_cfg", "DiffusionNFT with CFG"))),
+    "nft_cfg_b": dict(folder="shapes_tier2b_nft", extra="shapes_tier2b", target_from="shapes_tier2b",
+                      title="Tier 2, prompt set B: DiffusionNFT and Flow-GRPO, both sampled with CFG 3, lr 1e-3",
+                      methods={"flow_grpo@0.001": "Flow-GRPO, lr 0.001",
+                               "diffusion_nft_cfg@0.001": "DiffusionNFT with CFG, lr 0.001"}),
     # CPU to the target on set A, all on one machine: Flow-GRPO's lr-5e-4 runs made again beside DiffusionNFT's (the
     # one rate where every seed of all three reached the target; the scores repeat shapes_tier2_op's exactly, tested),
     # the target shapes_tier2_op's.
@@ -116,6 +129,43 @@ PANELS = {
                  extra="shapes_edit_long", target_from="shapes_edit_long"),
     "tier3": dict(folder="shapes_tier3_sharp", title="Tier 3, sharp base (164 position prompts, held-out val strict)",
                   methods={"flow_grpo@0.0005": "Flow-GRPO", "flow_dppo@0.0005": "Flow-DPPO, 2 epochs"}),
+    # Update batches: mixed prompts in every microbatch (batch_layout="mixed", the default since the fidelity review:
+    # the released code shuffles) against prompt by prompt (the runs of the panels above), lr 1e-3, same target.
+    "layout": dict(folder="shapes_tier2_mixed",
+                   title="Tier 2, prompt set A: mixed-prompt update batches (the released code's) against prompt by "
+                         "prompt",
+                   methods={**LAYOUT, "diffusion_nft_cfg_mixed@0.001": "DiffusionNFT with CFG, mixed",
+                            "diffusion_nft_cfg@0.001": "DiffusionNFT with CFG, by prompt"},
+                   extra=("shapes_tier2_matched", "shapes_tier2_op"), target_from="shapes_tier2_matched"),
+    "layout_b": dict(folder="shapes_tier2b_mixed",
+                     title="Tier 2, prompt set B: mixed-prompt update batches against prompt by prompt",
+                     methods={**LAYOUT, "diffusion_nft_cfg_mixed@0.001": "DiffusionNFT with CFG, mixed",
+                              "diffusion_nft_cfg@0.001": "DiffusionNFT with CFG, by prompt"},
+                     extra=("shapes_tier2b", "shapes_tier2b_nft"), target_from="shapes_tier2b"),
+    # Flow-DPPO as UniRL's recipe trains (3 random SDE steps among the first 5 of 10, CFG 1, weight decay 0, its
+    # step-0 std) against Flow-GRPO on the same steps and CFG; evaluated at CFG 1, so their base is the model at CFG 1.
+    "unirl": dict(folder="shapes_tier2_unirl",
+                  title="Tier 2, prompt set A: Flow-DPPO in its released code's form against Flow-GRPO on the same "
+                        "trained steps and CFG 1 (dotted: the base at CFG 1)", methods=UNIRL),
+    "unirl_b": dict(folder="shapes_tier2b_unirl",
+                    title="Tier 2, prompt set B: Flow-DPPO in its released code's form against Flow-GRPO on the same "
+                          "trained steps and CFG 1 (dotted: the base at CFG 1)", methods=UNIRL),
+    # OP-GRPO where both of its descriptions hold (G = 4: G - 1 fresh + 1 buffered in every group, 25% of the
+    # samples), against Flow-GRPO at G = 4 (32 samples an iteration), lr 5e-4.
+    "g4_one": dict(folder="shapes_tier2_g4",
+                   title="Tier 2, prompt set A, G = 4: OP-GRPO with one buffered trajectory in every group against "
+                         "Flow-GRPO", methods=G4_ONE),
+    # Flow-GRPO-Fast's settings (benchmarks/shapes.py FAST: window 2, shared prefix, batched replay, trained-steps
+    # storage, cached embeddings) against Flow-GRPO training every step, both with mixed-prompt batches, lr 1e-3.
+    "fast": dict(folder="shapes_tier2_fast",
+                 title="Tier 2, prompt set A: Flow-GRPO-Fast's settings (2 trained steps of 10) against Flow-GRPO "
+                       "(9 trained steps), the same samples per iteration",
+                 methods={"flow_grpo_fast_mixed@0.001": "Flow-GRPO-Fast settings",
+                          "flow_grpo_mixed@0.001": "Flow-GRPO"},
+                 extra="shapes_tier2_mixed", target_from="shapes_tier2_mixed"),
+    "g4_one_sparse": dict(folder="shapes_sparse_g4",
+                          title="Tier 5, the sparse tier, G = 4: OP-GRPO with one buffered trajectory in every group "
+                                "against Flow-GRPO", methods=G4_ONE),
 }
 
 
@@ -412,15 +462,35 @@ def committed_in(folder: str) -> list[str]:
     return out.split()
 
 
+# Older batches whose first iterations do not repeat bit for bit here (tests/test_committed_runs_reproduce.py runs
+# one run of every other older batch and finds it repeats exactly; its docstring has the measured differences).
+NOT_REPRODUCED = {
+    "shapes_tier3_sharp": "does not repeat here: made on an Intel Xeon, on an AMD EPYC the first rollout repeats but "
+                          "the loss differs in the 6th digit, as the harness at the batch's own commit gives it here "
+                          "(the CPU, not the code); not yet re-run on an Intel Xeon",
+    "shapes_tier2_matched": "its Stepwise T'=5 runs do not repeat here: the first rollout does, the loss differs in "
+                            "the 4th digit, as the harness at the commits that committed them gives it here (another "
+                            "machine, not the code)",
+    "shapes_edit_long": "does not repeat: the first iteration's reward differs (0.211 here, 0.266 committed) at HEAD "
+                        "and at the commits that committed it, while the base's evaluation repeats exactly: the runs "
+                        "depended on something outside the committed code; the claim needs re-measuring",
+    "shapes_edit_lr5e4": "does not repeat, as shapes_edit_long (the same editing batch)",
+}
+
+
 def committed_note(p: dict) -> str:
-    """For each folder of a panel whose runs do not record the code they ran, the commits that committed its results:
-    when a run was made is not recorded, only when its results were committed."""
+    """For each folder of a panel whose runs do not record the code they ran, the commits that committed its results
+    (when a run was made is not recorded, only when its results were committed), and whether one of its runs repeats
+    its first iterations here (:data:`NOT_REPRODUCED`)."""
     parts = []
     for folder in p.get("without_code", []):
         commits = committed_in(folder)
         parts.append(f"`benchmarks/results/{folder}/` committed in "
-                     + (", ".join(commits) if commits else "(no git history here)"))
-    return (" Runs without a record of the code they ran: " + "; ".join(parts) + ".") if parts else ""
+                     + (", ".join(commits) if commits else "(no git history here)")
+                     + (f" ({NOT_REPRODUCED[folder]})" if folder in NOT_REPRODUCED else ""))
+    return (" Runs without a record of the code they ran: " + "; ".join(parts) + "; one run of each batch not said "
+            "otherwise repeats its first iterations bit for bit (tests/test_committed_runs_reproduce.py).") \
+        if parts else ""
 
 
 def nft_tier3_table(cfg: dict, free: dict) -> list[str]:
@@ -475,8 +545,10 @@ def ablation_table(p: dict) -> list[str]:
 SHORT = {"tier2": "set A", "tier2b": "set B", "tier2op": "set A", "sparse": "sparse tier",
          "sparse_ablations": "sparse tier",
          "tier2op_ablations": "set A", "nft": "set A without CFG", "nft_cfg": "set A with CFG", "edit": "editing tier",
-         "nft_t3": "tier 3 without CFG", "nft_t3_cfg": "tier 3 with CFG", "nft_cpu": "set A, one machine",
-         "tier3": "tier 3"}
+         "nft_t3": "tier 3 without CFG",
+         "nft_cfg_b": "set B with CFG", "nft_t3_cfg": "tier 3 with CFG", "nft_cpu": "set A, one machine",
+         "tier3": "tier 3", "layout": "set A", "layout_b": "set B", "unirl": "set A", "unirl_b": "set B",
+         "g4_one": "set A", "g4_one_sparse": "sparse tier", "fast": "set A"}
 
 
 def cell(p: dict | None, a: str, b: str | None, field: str = "final",
@@ -496,6 +568,10 @@ def cell(p: dict | None, a: str, b: str | None, field: str = "final",
         return "runs of different or unrecorded machines: CPU not compared", None
     c = compare(p, a, b, field, better)
     if c is None:
+        if field.endswith("_target"):  # one side (or both) never reached it: say which
+            n_a, n_b = (sum(x is not None for x in p["methods"][lab][field]) for lab in (a, b))
+            return (f"seeds reaching the target {n_a}/{len(p['methods'][a][field])} vs "
+                    f"{n_b}/{len(p['methods'][b][field])}; not tested (a seed never reached it)"), None
         return "target not reached", None
     nd = 4 if field == "kl_at_target" else (0 if field in ("cpu_to_target", "steps_to_target") else 3)
     ratio = f" ({c['ratio']:.2f}x)" if field != "final" and c["ratio"] is not None else ""
@@ -539,6 +615,8 @@ def verdict(results: list[dict | None]) -> str:
     if set(words) == {"no spread"}:
         return f"no spread{part}"
     held, against = words.count("holds"), words.count("the opposite")
+    if "differs" in words:  # a two-sided row (no predicted direction)
+        return f"differs on {words.count('differs')} of {len(words)}{part}"
     spread = "" if "no spread" not in words else f", no spread on {words.count('no spread')}"
     if held == len(words):
         return f"holds{part}"
@@ -550,8 +628,11 @@ def verdict(results: list[dict | None]) -> str:
 
 
 def with_tier3(panel: str, lr: float) -> tuple[str, ...]:
-    """A tier-2 DiffusionNFT panel and, at the one rate tier 3 measured Flow-GRPO at (1e-3), its tier-3 twin."""
-    return (panel, panel.replace("nft", "nft_t3", 1)) if lr == 1e-3 else (panel,)
+    """A tier-2 DiffusionNFT panel and, at the one rate tier 3 measured Flow-GRPO at (1e-3), its tier-3 twin (and,
+    with CFG, its set-B twin)."""
+    if lr != 1e-3:
+        return (panel,)
+    return (panel, *(("nft_cfg_b",) if panel == "nft_cfg" else ()), panel.replace("nft", "nft_t3", 1))
 
 
 # (method, claim, paper's figure, panels, a, b, per-seed field, the direction the claim predicts)
@@ -610,6 +691,25 @@ CLAIMS = [
      "final", "higher"),
     ("Flow-DPPO", "beats Flow-GRPO on held-out prompts (2 epochs vs 1: not matched)", "GenEval2 78.9 vs 56.6",
      ("tier3",), "flow_dppo@0.0005", "flow_grpo@0.0005", "final", "higher"),
+    *[(method, "(batches) mixed-prompt update microbatches, the released code's, against prompt by prompt: final "
+       "score (two-sided)", "", ("layout", "layout_b"), f"{label}_mixed@0.001", f"{label}@0.001", "final", None)
+      for method, label in (("Flow-GRPO", "flow_grpo"), ("Flow-DPPO", "flow_dppo_1epoch"),
+                            ("DiffusionNFT", "diffusion_nft_cfg"))],
+    ("Flow-DPPO", "in its released code's form (3 random SDE steps of the first 5, CFG 1) beats Flow-GRPO on the "
+     "same steps and CFG", "GenEval2 78.9 vs 56.6", ("unirl", "unirl_b"), "flow_dppo_unirl@0.001",
+     "flow_grpo_unirl_steps@0.001", "final", "higher"),
+    ("OP-GRPO", "at G = 4 in the form where both descriptions hold, reaches the target in fewer iterations than "
+     "Flow-GRPO at G = 4, lr 0.0005", "0.342x the steps", ("g4_one", "g4_one_sparse"), "op_grpo_g4_one@0.0005",
+     "flow_grpo_g4@0.0005", "steps_to_target", "lower"),
+    ("OP-GRPO", "at G = 4 in that form, the same or a better final score than Flow-GRPO at G = 4, lr 0.0005",
+     "+1.17% on average", ("g4_one", "g4_one_sparse"), "op_grpo_g4_one@0.0005", "flow_grpo_g4@0.0005", "final",
+     "higher"),
+    ("Flow-GRPO-Fast", "less CPU to the target than Flow-GRPO (one machine)", "faster training", ("fast",),
+     "flow_grpo_fast_mixed@0.001", "flow_grpo_mixed@0.001", "cpu_to_target", "lower"),
+    ("Flow-GRPO-Fast", "reaches the target in as few iterations as Flow-GRPO (two-sided)", "", ("fast",),
+     "flow_grpo_fast_mixed@0.001", "flow_grpo_mixed@0.001", "steps_to_target", None),
+    ("Flow-GRPO-Fast", "the same final score as Flow-GRPO at the same iterations (two-sided)", "comparable",
+     ("fast",), "flow_grpo_fast_mixed@0.001", "flow_grpo_mixed@0.001", "final", None),
 ]
 
 

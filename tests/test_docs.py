@@ -1077,3 +1077,16 @@ def test_performance_page_tables_are_the_committed_measurements():
     with open(path) as f:
         table = full_size.render_table(json.load(f))
     assert f"{full_size.TABLE_START}\n{table}" in page
+
+
+def test_performance_page_fast_settings_verdict_is_the_committed_runs():
+    """docs/performance.md's words on the Flow-GRPO-Fast runs: under half the CPU an iteration, a lower final score,
+    about twice the KL to the base, below the base on the held-out val prompts, no seed at the target."""
+    p = _results_page().load_panel("fast")
+    fast, grpo = p["methods"]["flow_grpo_fast_mixed@0.001"], p["methods"]["flow_grpo_mixed@0.001"]
+    assert len(fast["seeds"]) >= 3 and len(grpo["seeds"]) >= 3
+    assert statistics.mean(fast["cpu_per_iter"]) < 0.5 * statistics.mean(grpo["cpu_per_iter"])
+    assert statistics.mean(fast["final"]) < statistics.mean(grpo["final"])
+    assert 1.5 < statistics.mean(fast["kl"]) / statistics.mean(grpo["kl"]) < 2.5
+    assert statistics.mean(fast["final_by_split"]["val"]) < p["base_by_split"]["val"]
+    assert all(s is None for s in fast["steps_to_target"])
