@@ -249,9 +249,10 @@ class FlowRLConfig(metaclass=AcceptsTrlNames):  # TRL's GRPOConfig names (epsilo
     eval_guidance_scale: float | None = field(default=None, metadata=meta("harmless",
         "Guidance of the evaluation (default: guidance_scale)."))
     eval_height: int | None = field(default=None, metadata=meta("harmless",
-        "Height of evaluation and generate(). None: `height` (Flow-Factory's separate eval resolution; flow_grpo "
-        "issue #201). A multiple of the pipeline's resolution multiple (checked at construction); text-to-image "
-        "and video pipelines only (an editing pipeline sizes its source conditioning for height x width)."))
+        "Height of evaluation and generate(). None: `height` (Flow-Factory's separate eval resolution; asked for "
+        "in yifan123/flow_grpo#201). A multiple of the pipeline's resolution multiple (checked at construction); "
+        "text-to-image and video pipelines only (an editing pipeline sizes its source conditioning for height x "
+        "width)."))
     eval_width: int | None = field(default=None, metadata=meta("harmless",
         "Width of evaluation and generate(). None: `width`; as `eval_height`."))
     per_device_eval_batch_size: int = field(default=16, metadata=meta("harmless",
