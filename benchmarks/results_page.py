@@ -471,10 +471,6 @@ NOT_REPRODUCED = {
     "shapes_tier2_matched": "its Stepwise T'=5 runs do not repeat here: the first rollout does, the loss differs in "
                             "the 4th digit, as the harness at the commits that committed them gives it here (another "
                             "machine, not the code)",
-    "shapes_edit_long": "does not repeat: the first iteration's reward differs (0.211 here, 0.266 committed) at HEAD "
-                        "and at the commits that committed it, while the base's evaluation repeats exactly: the runs "
-                        "depended on something outside the committed code; the claim needs re-measuring",
-    "shapes_edit_lr5e4": "does not repeat, as shapes_edit_long (the same editing batch)",
 }
 
 

@@ -889,6 +889,25 @@ def default_out(tier_id: int) -> str:
     return f"benchmarks/results/{named.get(tier_id, f'shapes_tier{tier_id}')}"
 
 
+
+def apply_set(tier_id: int, pairs: list[str]) -> None:
+    """``--set KEY=VALUE`` pairs: a BASE key goes to ``PILOT``; ``reward``, ``config`` and the editing tier's
+    ``scenes`` change the tier itself (``TIERS[tier_id]``). A batch's ``results.json`` records its pairs
+    (``args.set``), so that the same call makes its runs again (tests/test_committed_runs_reproduce.py)."""
+    for kv in pairs:
+        key, _, val = kv.partition("=")
+        if key in ("reward", "config"):
+            TIERS[tier_id] = {**TIERS[tier_id], key: val}
+        elif key == "scenes":  # the editing tier's source scenes per trained instruction
+            if TIERS[tier_id].get("task") != "edit" or not val.isdigit() or int(val) < 1:
+                raise SystemExit(f"--set {kv}: 'scenes' takes a positive integer, on the editing tier (6) only")
+            TIERS[tier_id] = {**TIERS[tier_id], "scenes": int(val)}
+        elif key not in BASE:
+            raise SystemExit(f"--set {kv}: {key!r} is not a BASE key ({', '.join(BASE)}), 'reward', 'config' or "
+                             "'scenes' (tier 6)")
+        else:
+            PILOT[key] = type(BASE[key])(json.loads(val)) if not isinstance(BASE[key], str) else val
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tier", type=int, default=2, choices=sorted(TIERS))
@@ -919,19 +938,7 @@ def main(argv=None):
                          "flow_grpo@lr, else the one at the tier's swept rate)")
     ap.add_argument("--run-one", nargs=2, metavar=("METHOD", "SEED"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    for kv in args.set:
-        key, _, val = kv.partition("=")
-        if key in ("reward", "config"):
-            TIERS[args.tier] = {**TIERS[args.tier], key: val}
-        elif key == "scenes":  # the editing tier's source scenes per trained instruction
-            if TIERS[args.tier].get("task") != "edit" or not val.isdigit() or int(val) < 1:
-                raise SystemExit(f"--set {kv}: 'scenes' takes a positive integer, on the editing tier (6) only")
-            TIERS[args.tier] = {**TIERS[args.tier], "scenes": int(val)}
-        elif key not in BASE:
-            raise SystemExit(f"--set {kv}: {key!r} is not a BASE key ({', '.join(BASE)}), 'reward', 'config' or "
-                             "'scenes' (tier 6)")
-        else:
-            PILOT[key] = type(BASE[key])(json.loads(val)) if not isinstance(BASE[key], str) else val
+    apply_set(args.tier, args.set)
     if args.train_prompts:
         TIERS[args.tier] = subset_tier(TIERS[args.tier], args.train_prompts)
     tier = TIERS[args.tier]

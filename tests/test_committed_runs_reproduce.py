@@ -18,7 +18,10 @@ comment). The OP-GRPO runs of shapes_tier2_op and shapes_sparse were made after 
 ``replay_unit: sample``, ``truncation_fraction: 0.1``) and reproduce under today's ``op_grpo``. Each case also checks
 that the harness's config equals the committed one in every field both record (fields added since are absent from
 the committed record; a field whose spelling changed is listed in the case's ``same``). A run made on another CPU
-model than this machine's (its ``machine`` record) is skipped: its float kernels round differently.
+model than this machine's (its ``machine`` record) is skipped: its float kernels round differently. A batch made
+with ``--set`` pairs (its ``results.json`` records them in ``args.set``: the editing tier's ``scenes=60 beta=0.04``)
+is made again with the same pairs through ``shapes.apply_set``; without ``scenes=60`` the editing runs train on 8
+source scenes per instruction instead of 60, and iteration 1's reward is 0.2109375 instead of the committed 0.265625.
 
 Not reproduced (the exact comparison is kept; these batches are left out or skipped):
 
@@ -34,13 +37,6 @@ Not reproduced (the exact comparison is kept; these batches are left out or skip
   against 0.0087480121; the harness at the commits that committed it (be5e82d, 361663a) gives this machine's numbers
   bit for bit: the machine, not the code (the CPU-model skip cannot tell the two apart: both name "AMD EPYC").
   Stepwise is covered by stepwise_t2@0.001 (the same trainer at T' = 2).
-* the editing tier (shapes_edit_long flow_grpo@0.001 and shapes_edit_lr5e4 flow_grpo@0.0005, beta 0.04 as their
-  configs record; made on an AMD EPYC): iteration 1's reward is 0.2109375 here against the committed 0.265625, at
-  HEAD and equally at the commits that committed them (0e5ee9f, 876cba3), while the editing base's evaluation (128
-  trained-instruction images, seed 1234) repeats the committed step-0 scores exactly (strict 0.5078125, partial
-  0.80794, cleanliness 0.98743): the training rollout of those runs depended on something outside the committed
-  code (the library versions of the machine that made them, or an uncommitted working tree), not on a change since.
-  No label reproduces them.
 
 Left out for the file's time (about 3.2 minutes on 2 loaded cores): the other rates and seeds of each batch, the
 labels run in the same batch as a covered one with one setting changed (shapes_tier2_matched's flow_dppo_1epoch,
@@ -59,33 +55,36 @@ import torch
 
 from test_benchmark_shapes import ROOT, _load
 
-# (results folder, committed label, harness label, seed, iterations, --set overrides, config fields whose committed
-# value and the harness's differ only in spelling: key -> (committed, harness))
+# (results folder, committed label, harness label, seed, iterations, config fields whose committed value and the
+# harness's differ only in spelling: key -> (committed, harness)); the batch's --set pairs come from its results.json
 CASES = [
     # tier 2 set A at matched updates: Flow-GRPO, Flow-DPPO at 2 epochs, Stepwise (T' = 2)
-    ("shapes_tier2_matched", "flow_grpo@0.001", "flow_grpo@0.001", 0, 2, {}, {}),
-    ("shapes_tier2_matched", "flow_dppo@0.001", "flow_dppo@0.001", 0, 1, {}, {}),
-    ("shapes_tier2_matched", "stepwise_t2@0.001", "stepwise_t2@0.001", 0, 1, {}, {}),
+    ("shapes_tier2_matched", "flow_grpo@0.001", "flow_grpo@0.001", 0, 2, {}),
+    ("shapes_tier2_matched", "flow_dppo@0.001", "flow_dppo@0.001", 0, 1, {}),
+    ("shapes_tier2_matched", "stepwise_t2@0.001", "stepwise_t2@0.001", 0, 1, {}),
     # tier 2 set A: OP-GRPO in its described form and DiffusionNFT with CFG
-    ("shapes_tier2_op", "op_grpo@0.001", "op_grpo@0.001", 0, 2, {}, {}),
-    ("shapes_tier2_op", "diffusion_nft_cfg@0.001", "diffusion_nft_cfg@0.001", 0, 2, {}, {}),
+    ("shapes_tier2_op", "op_grpo@0.001", "op_grpo@0.001", 0, 2, {}),
+    ("shapes_tier2_op", "diffusion_nft_cfg@0.001", "diffusion_nft_cfg@0.001", 0, 2, {}),
     # the sparse tier (binary reward): OP-GRPO
-    ("shapes_sparse", "op_grpo@0.001", "op_grpo@0.001", 0, 2, {}, {}),
+    ("shapes_sparse", "op_grpo@0.001", "op_grpo@0.001", 0, 2, {}),
     # DiffusionNFT without CFG, tier 2
-    ("shapes_tier2_nft", "diffusion_nft@0.001", "diffusion_nft@0.001", 0, 2, {}, {}),
+    ("shapes_tier2_nft", "diffusion_nft@0.001", "diffusion_nft@0.001", 0, 2, {}),
     # tier 2 set B
-    ("shapes_tier2b", "flow_grpo@0.001", "flow_grpo@0.001", 0, 1, {}, {}),
-    ("shapes_tier2b", "flow_dppo@0.001", "flow_dppo@0.001", 0, 1, {}, {}),
+    ("shapes_tier2b", "flow_grpo@0.001", "flow_grpo@0.001", 0, 1, {}),
+    ("shapes_tier2b", "flow_dppo@0.001", "flow_dppo@0.001", 0, 1, {}),
     # tier 3 (category prompts): Flow-GRPO (2026-12-02), DiffusionNFT with CFG, without CFG, the sharp base
-    ("shapes_tier3", "flow_grpo@0.001", "flow_grpo@0.001", 0, 1, {}, {}),
-    ("shapes_tier3", "diffusion_nft_cfg@0.001", "diffusion_nft_cfg@0.001", 0, 1, {}, {}),
-    ("shapes_tier3_nft", "diffusion_nft@0.001", "diffusion_nft@0.001", 0, 1, {}, {}),
-    ("shapes_tier3_sharp", "flow_dppo@0.0005", "flow_dppo@0.0005", 0, 1, {}, {}),
+    ("shapes_tier3", "flow_grpo@0.001", "flow_grpo@0.001", 0, 1, {}),
+    ("shapes_tier3", "diffusion_nft_cfg@0.001", "diffusion_nft_cfg@0.001", 0, 1, {}),
+    ("shapes_tier3_nft", "diffusion_nft@0.001", "diffusion_nft@0.001", 0, 1, {}),
+    ("shapes_tier3_sharp", "flow_dppo@0.0005", "flow_dppo@0.0005", 0, 1, {}),
     # G = 4, OP-GRPO before the replay-share change (truncation_step None then meant K // 2 = 5)
-    ("shapes_tier2_g4", "op_grpo_g4_share_100@0.0005", "op_grpo_legacy_g4_share_100@0.0005", 0, 2, {},
+    ("shapes_tier2_g4", "op_grpo_g4_share_100@0.0005", "op_grpo_legacy_g4_share_100@0.0005", 0, 2,
      {"truncation_step": ("None", "5")}),
     # mixed-prompt batches
-    ("shapes_tier2_mixed", "flow_grpo_mixed@0.001", "flow_grpo_mixed@0.001", 0, 1, {}, {}),
+    ("shapes_tier2_mixed", "flow_grpo_mixed@0.001", "flow_grpo_mixed@0.001", 0, 1, {}),
+    # the editing tier (a tiny FLUX.1 Kontext pipeline), Flow-GRPO with beta 0.04 at both rates of its claims
+    ("shapes_edit_long", "flow_grpo@0.001", "flow_grpo@0.001", 0, 1, {}),
+    ("shapes_edit_lr5e4", "flow_grpo@0.0005", "flow_grpo@0.0005", 0, 1, {}),
 ]
 KEYS = ("reward", "reward_std", "advantage_abs", "loss", "grad_norm")
 # config fields that name where a run wrote, not what it ran
@@ -102,10 +101,10 @@ def _cpu() -> str | None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("folder,committed_label,label,seed,iterations,pilot,same", CASES,
+@pytest.mark.parametrize("folder,committed_label,label,seed,iterations,same", CASES,
                          ids=[f"{c[0]}-{c[1]}" for c in CASES])
-def test_first_iterations_of_a_committed_run_repeat_exactly(folder, committed_label, label, seed, iterations, pilot,
-                                                           same, tmp_path):
+def test_first_iterations_of_a_committed_run_repeat_exactly(folder, committed_label, label, seed, iterations, same,
+                                                           tmp_path):
     with open(os.path.join(ROOT, "benchmarks", "results", folder, "results.json"), encoding="utf-8") as f:
         results = json.load(f)
     run = next(r for r in results["runs"] if r["method"] == committed_label and r["seed"] == seed)
@@ -114,7 +113,7 @@ def test_first_iterations_of_a_committed_run_repeat_exactly(folder, committed_la
     if made_on is not None and made_on != _cpu():
         pytest.skip(f"made on {made_on!r}, this machine is {_cpu()!r}: the float kernels differ")
     mod = _load()
-    mod.PILOT.update(pilot)
+    mod.apply_set(run["tier"], results["args"].get("set") or [])
     torch.set_num_threads(1)
     base = run["base_model"]
     base = os.path.join(ROOT, base) if base.startswith("benchmarks/") else base
