@@ -185,7 +185,9 @@ RULE = ("One rule for every difference, from one function (`results_page.signifi
         " *no spread* where every seed of both sides gave the same value (no test is defined). Each row also gives "
         "the smallest difference its seeds could detect: the true difference at which the same test reaches p < 0.05 "
         "with 80% power, from the noncentral t distribution at the observed standard error and df (normal where df is"
-        " infinite), in the units of the compared value. A claim not yet measured in the paper's form says so.")
+        " infinite), in the units of the compared value. A speed row where a seed never reached the target is not "
+        "tested; its detectable difference (marked +) counts such a seed at its run's end, a lower bound on its "
+        "value. A claim not yet measured in the paper's form says so.")
 
 
 def ms(xs) -> tuple[float, float] | None:
@@ -377,6 +379,9 @@ def load_panel(name: str) -> dict | None:
             "cpu_to_target": [reach(r, "cpu_s") for r in runs],
             "kl_at_target": [reach(r, "kl") for r in runs],
             "cpu_per_iter": [r["cpu_s"] / len(r["iterations"]) for r in runs],
+            # where a run stopped: a never-reached target lies beyond it (:func:`censored_detectable`)
+            "run_end": {"steps_to_target": [float(len(r["iterations"])) for r in runs],
+                        "cpu_to_target": [r["cpu_s"] for r in runs]},
             "clip_off": [off_policy_clip(r) for r in runs],
             "calibration": [r.get("machine", {}).get("calibration_s") for r in runs],
             "curves": [[(e["step"], e["cpu_s"], e["kl"], e[split]["overall"][key]) for e in r["evals"]] for r in runs],
@@ -594,6 +599,25 @@ def detectable_text(r: dict | None, field: str) -> str | None:
     return f"{r['mdd']:.4f}" if field == "kl_at_target" else f"{r['mdd']:.3f}"
 
 
+def censored_detectable(p: dict | None, a: str, b: str | None, field: str) -> str | None:
+    """The smallest detectable difference of a speed cell left untested because a seed never reached the target: the
+    same test with each such seed counted at the end of its run (a lower bound on its value), so the stated figure
+    shows the seeds' resolution without claiming a verdict; marked ``+`` (:data:`RULE` says so); None where it does
+    not apply."""
+    if p is None or b is None or field not in ("steps_to_target", "cpu_to_target"):
+        return None
+    sides = []
+    for lab in (a, b):
+        m = p["methods"].get(lab)
+        if not m or "run_end" not in m:
+            return None
+        sides.append([end if x is None else x for x, end in zip(m[field], m["run_end"][field])])
+    if all(x is not None for lab in (a, b) for x in p["methods"][lab][field]):
+        return None  # nothing censored: the cell was tested or not comparable for another reason
+    d = detectable_text(significance(*sides), field)
+    return None if d is None else f"{d}+"
+
+
 def same_machine(calibrations) -> bool:
     """CPU seconds compare only between runs whose machine record (``calibration_s``, benchmarks/shapes.py
     ``machine_info``) exists and agrees within 25%, the rule of the benchmark's own summaries."""
@@ -748,8 +772,11 @@ def claims(panels: dict) -> list[tuple]:
     for method, claim, paper, where, a, b, field, better in CLAIMS:
         cells = [cell(panels.get(pname), a, b, field, better) for pname in where]
         text = "; ".join(f"{SHORT[pname]}: {c}" for pname, (c, _) in zip(where, cells))
-        mdd = "; ".join(f"{SHORT[pname]} {d}" for pname, (_, r) in zip(where, cells)
-                        if (d := detectable_text(r, field)) is not None) or "n/a"
+        mdd = "; ".join(f"{SHORT[pname]} {d}" for pname, (text, r) in zip(where, cells)
+                        if (d := detectable_text(r, field) or (
+                            censored_detectable(panels.get(pname), a, b, field)
+                            if "a seed never reached it" in text and "CPU not compared" not in text else None))
+                        is not None) or "n/a"
         v = claim_verdict(where, cells, better)
         few = [pn for pn, (_, r) in zip(where, cells) if r is not None and any(
             lab in panels[pn]["methods"] and len(panels[pn]["methods"][lab][field]) < 3 for lab in (a, b) if lab)]

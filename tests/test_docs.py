@@ -379,7 +379,16 @@ def test_results_page_statistics():
     text, r = page.cell(p, "a", "b", "steps_to_target")
     assert r is None and text.endswith("seeds reaching it 3/3 vs 2/3; not tested (a seed never reached it)")
     assert page.claim_verdict(("tier2",), [(text, r)], "lower") == "not tested (a seed never reached the target)"
+    # its detectable difference counts the seed that never reached it at its run's end (60), marked +: Welch's se of
+    # [40, 40, 40] against [30, 30, 60] is 10.0 at df 2.0, and 80% power at p < 0.05 needs 5.65 se there
+    p["methods"]["a"]["run_end"] = {"steps_to_target": [60.0] * 3}
+    p["methods"]["b"]["run_end"] = {"steps_to_target": [60.0] * 3}
+    assert page.censored_detectable(p, "a", "b", "steps_to_target") == \
+        page.detectable_text(page.significance([40, 40, 40], [30, 30, 60]), "steps_to_target") + "+"
+    assert page.significance([40, 40, 40], [30, 30, 60])["mdd"] == pytest.approx(56.5, abs=0.1)
+    assert page.censored_detectable(p, "a", "b", "final") is None
     p["methods"]["b"]["steps_to_target"] = [30, 30, 20]
+    assert page.censored_detectable(p, "a", "b", "steps_to_target") is None  # nothing censored: the t test has it
     text, r = page.cell(p, "a", "b", "steps_to_target", "lower")
     assert r["word"] == "within the noise" and ", t +4.0, df 2.0, p 0.057, seeds reaching it 3/3 vs 3/3" in text
     # every seed of both sides at the same evaluation: no test, said so, and no detectable difference claimed
