@@ -333,6 +333,18 @@ def load_panel(name: str) -> dict | None:
                 if not runs_of[label]:
                     runs_of[label] = [r for r in other["runs"] if r["method"] == label]
                     from_folder.update({label: side} if runs_of[label] else {})
+    for side in panel.get("seeds_from", ()):
+        # later runs of the same labels, tier and prompts: the seeds the panel's runs lack (its target stays its own)
+        with open(os.path.join(RESULTS, side, "results.json")) as f:
+            other = json.load(f)
+        if (other.get("tier"), other["summary"]["split"], other["summary"]["score_key"]) != (data.get("tier"), split,
+                                                                                              key):
+            raise ValueError(f"panel {name!r}: seeds_from {side} is tier {other.get('tier')} scoring "
+                             f"{other['summary']['split']} / {other['summary']['score_key']}, {panel['folder']} "
+                             f"tier {data.get('tier')} {split} / {key}")
+        for label in panel["methods"]:
+            have = {r["seed"] for r in runs_of[label]}
+            runs_of[label] += [r for r in other["runs"] if r["method"] == label and r["seed"] not in have]
     # the base is one evaluation (each run's step 0, the same images): its image count gives its binomial error
     counts = {r["evals"][0][split]["overall"].get("n") for r in data["runs"]
               if r["evals"] and r["evals"][0]["step"] == 0 and abs(r["evals"][0][split]["overall"][key]
@@ -440,6 +452,8 @@ def folders_note(panel: dict) -> str:
         text += " and the runs it lacks from " + ", ".join(f"`benchmarks/results/{e}/`" for e in extras)
     if panel.get("target_from") not in (None, panel["folder"]):
         text += f"; target from `benchmarks/results/{panel['target_from']}/`"
+    if panel.get("seeds_from"):
+        text += "; further seeds from " + ", ".join(f"`benchmarks/results/{e}/`" for e in panel["seeds_from"])
     return text
 
 
@@ -588,15 +602,19 @@ def cell(p: dict | None, a: str, b: str | None, field: str = "final",
         (None if r["word"] == "too few seeds" else r)
 
 
-def detectable_text(r: dict | None, field: str) -> str | None:
-    """A tested cell's smallest detectable difference in the compared value's units; None without one."""
+def detectable_text(r: dict | None, field: str, censored: bool = False) -> str | None:
+    """A tested cell's smallest detectable difference in the compared value's units and the seeds it rests on (``+``
+    where ``censored``: :func:`censored_detectable`); None without one."""
     if r is None or r["mdd"] is None:
         return None
     if field == "clip_off":
-        return f"{100 * r['mdd']:.1f} points"
-    if field in ("cpu_to_target", "steps_to_target"):
-        return f"{r['mdd']:.0f} " + ("CPU-s" if field == "cpu_to_target" else "iterations")
-    return f"{r['mdd']:.4f}" if field == "kl_at_target" else f"{r['mdd']:.3f}"
+        value = f"{100 * r['mdd']:.1f} points"
+    elif field in ("cpu_to_target", "steps_to_target"):
+        value = f"{r['mdd']:.0f} " + ("CPU-s" if field == "cpu_to_target" else "iterations")
+    else:
+        value = f"{r['mdd']:.4f}" if field == "kl_at_target" else f"{r['mdd']:.3f}"
+    seeds = f"{r['na']} seeds" if r["nb"] is None else f"{r['na']} vs {r['nb']} seeds"
+    return f"{value}{'+' if censored else ''} ({seeds})"
 
 
 def censored_detectable(p: dict | None, a: str, b: str | None, field: str) -> str | None:
@@ -614,8 +632,7 @@ def censored_detectable(p: dict | None, a: str, b: str | None, field: str) -> st
         sides.append([end if x is None else x for x, end in zip(m[field], m["run_end"][field])])
     if all(x is not None for lab in (a, b) for x in p["methods"][lab][field]):
         return None  # nothing censored: the cell was tested or not comparable for another reason
-    d = detectable_text(significance(*sides), field)
-    return None if d is None else f"{d}+"
+    return detectable_text(significance(*sides), field, censored=True)
 
 
 def same_machine(calibrations) -> bool:

@@ -383,8 +383,7 @@ def test_results_page_statistics():
     # [40, 40, 40] against [30, 30, 60] is 10.0 at df 2.0, and 80% power at p < 0.05 needs 5.65 se there
     p["methods"]["a"]["run_end"] = {"steps_to_target": [60.0] * 3}
     p["methods"]["b"]["run_end"] = {"steps_to_target": [60.0] * 3}
-    assert page.censored_detectable(p, "a", "b", "steps_to_target") == \
-        page.detectable_text(page.significance([40, 40, 40], [30, 30, 60]), "steps_to_target") + "+"
+    assert page.censored_detectable(p, "a", "b", "steps_to_target") == "57 iterations+ (3 vs 3 seeds)"
     assert page.significance([40, 40, 40], [30, 30, 60])["mdd"] == pytest.approx(56.5, abs=0.1)
     assert page.censored_detectable(p, "a", "b", "final") is None
     p["methods"]["b"]["steps_to_target"] = [30, 30, 20]
@@ -439,6 +438,19 @@ def test_results_page_panel_from_two_folders(tmp_path):
     assert p["methods"]["flow_grpo@0.001"]["steps_to_target"] == pytest.approx([15, 15])
     # no run of these folders records its code: the panel names both folders (whose commits the page then lists)
     assert p["without_code"] == ["fg", "nft"]
+    # later seeds of the same labels (``seeds_from``): only the seeds the panel lacks, and the panel keeps its target
+    folder("more", 0.1, 0.9, [run("flow_grpo@0.001", s, [0.25, 0.3, 0.6]) for s in (1, 2)])
+    page.PANELS["p"]["seeds_from"] = ("more",)
+    p = page.load_panel("p")
+    assert p["methods"]["flow_grpo@0.001"]["seeds"] == [0, 1, 2] and p["target"] == 0.4
+    assert p["methods"]["flow_grpo@0.001"]["final"] == [0.45, 0.45, 0.6]
+    assert p["methods"]["diffusion_nft@0.001"]["seeds"] == [0, 1]
+    assert "further seeds from `benchmarks/results/more/`" in page.folders_note(page.PANELS["p"])
+    folder("more_val", 0.1, 0.9, [run("flow_grpo@0.001", 3, [0.25, 0.3, 0.6], split="val")], split="val")
+    page.PANELS["p"]["seeds_from"] = ("more_val",)
+    with pytest.raises(ValueError, match="more_val"):
+        page.load_panel("p")
+    del page.PANELS["p"]["seeds_from"]
     folder("val", 0.25, 0.4, [], split="val")
     page.PANELS["p"]["extra"] = page.PANELS["p"]["target_from"] = "val"
     with pytest.raises(ValueError, match="val"):
