@@ -87,50 +87,45 @@ class PolicyGradientTrainer(FlowRLTrainer):
         samples' states at the S steps as B*S rows, step-major, with per-row timesteps and the embeddings repeated
         S times (and likewise one forward of the reference policy); the velocities are split back per step and each
         goes through the step's own kernel."""
-        cfg = self.config
-        sig = rollout.schedule.sigmas
         S, B = len(ks), len(idx)
         xs = [rollout.state(idx, k) for k in ks]
-        x = torch.cat(xs)
-        emb = index_embeds(rollout.embeds, idx.repeat(S))
         t = torch.stack([rollout.schedule.timesteps[k] for k in ks]).repeat_interleave(B)
-        with self._autocast():
-            v = self.adapter.velocity(self.model, x, t, emb, cfg.guidance_scale,
-                                      detach_uncond=cfg.guidance_grad == "cond_only").split(B)
-        v_ref = [None] * S
-        if need_ref:
-            with torch.no_grad(), self.reference_policy() as ref, self._autocast():
-                v_ref = self.adapter.velocity(ref, x, t, emb, cfg.guidance_scale).split(B)
-        outs = []
-        for j, k in enumerate(ks):
-            kind = rollout.extras["step_kinds"][k]
-            _, log_prob, mean, std = sde_step(kind, xs[j], v[j], sig[k], sig[k + 1], cfg.noise_level,
-                                              prev_sample=rollout.state(idx, k + 1),
-                                              logprob_reduction=cfg.logprob_reduction)
-            ref_mean = None
-            if need_ref:
-                ref_mean, _ = kernel_mean_std(kind, xs[j], v_ref[j], sig[k], sig[k + 1], cfg.noise_level)
-            outs.append(StepOutput(log_prob=log_prob, mean=mean, std=std, ref_mean=ref_mean))
-        return outs
+        v, v_ref = self._velocities(torch.cat(xs), t, index_embeds(rollout.embeds, idx.repeat(S)), need_ref)
+        v_ref = [None] * S if v_ref is None else v_ref.split(B)
+        return [self._step_output(rollout, idx, k, xs[j], v_j, v_ref[j])
+                for j, (k, v_j) in enumerate(zip(ks, v.split(B)))]
 
     def forward_step(self, rollout: Rollout, idx: torch.Tensor, k: int, need_ref: bool) -> StepOutput:
         """Re-score the stored transition ``x_k -> x_{k+1}`` of samples ``idx`` under the current policy."""
-        cfg = self.config
-        kind = rollout.extras["step_kinds"][k]
-        sig = rollout.schedule.sigmas
         x = rollout.state(idx, k)
-        emb = index_embeds(rollout.embeds, idx)
-        t = rollout.schedule.timesteps[k]
+        v, v_ref = self._velocities(x, rollout.schedule.timesteps[k], index_embeds(rollout.embeds, idx), need_ref)
+        return self._step_output(rollout, idx, k, x, v, v_ref)
+
+    def _velocities(self, x: torch.Tensor, t: torch.Tensor, emb, need_ref: bool):
+        """The current policy's velocity at ``x`` (with gradient, the unconditional branch detached under
+        ``guidance_grad="cond_only"``) and, with ``need_ref``, the reference policy's (else None)."""
+        cfg = self.config
         with self._autocast():
             v = self.adapter.velocity(self.model, x, t, emb, cfg.guidance_scale,
                                       detach_uncond=cfg.guidance_grad == "cond_only")
+        v_ref = None
+        if need_ref:
+            with torch.no_grad(), self.reference_policy() as ref, self._autocast():
+                v_ref = self.adapter.velocity(ref, x, t, emb, cfg.guidance_scale)
+        return v, v_ref
+
+    def _step_output(self, rollout: Rollout, idx: torch.Tensor, k: int, x: torch.Tensor, v: torch.Tensor,
+                     v_ref: torch.Tensor | None) -> StepOutput:
+        """Step ``k``'s kernel at the velocities: the stored ``x_{k+1}``'s log-prob, the mean and std, and the
+        reference mean where ``v_ref`` is given."""
+        cfg = self.config
+        kind = rollout.extras["step_kinds"][k]
+        sig = rollout.schedule.sigmas
         _, log_prob, mean, std = sde_step(kind, x, v, sig[k], sig[k + 1], cfg.noise_level,
                                           prev_sample=rollout.state(idx, k + 1),
                                           logprob_reduction=cfg.logprob_reduction)
         ref_mean = None
-        if need_ref:
-            with torch.no_grad(), self.reference_policy() as ref, self._autocast():
-                v_ref = self.adapter.velocity(ref, x, t, emb, cfg.guidance_scale)
+        if v_ref is not None:
             ref_mean, _ = kernel_mean_std(kind, x, v_ref, sig[k], sig[k + 1], cfg.noise_level)
         return StepOutput(log_prob=log_prob, mean=mean, std=std, ref_mean=ref_mean)
 
