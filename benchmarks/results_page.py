@@ -735,6 +735,9 @@ CLAIMS = [
     ("Flow-DPPO", "in its released code's form (3 random SDE steps of the first 5, CFG 1) beats Flow-GRPO on the "
      "same steps and CFG", "GenEval2 78.9 vs 56.6", ("unirl", "unirl_b"), "flow_dppo_unirl@0.001",
      "flow_grpo_unirl_steps@0.001", "final", "higher"),
+    ("Flow-DPPO", "in its released code's form, lower KL to the base at a matched score than Flow-GRPO on the same "
+     "steps and CFG", "0.50x", ("unirl", "unirl_b"), "flow_dppo_unirl@0.001", "flow_grpo_unirl_steps@0.001",
+     "kl_at_target", "lower"),
     ("OP-GRPO", "at G = 4 in the form where both descriptions hold, reaches the target in fewer iterations than "
      "Flow-GRPO at G = 4, lr 0.0005", "0.342x the steps", ("g4_one", "g4_one_sparse"), "op_grpo_g4_one@0.0005",
      "flow_grpo_g4@0.0005", "steps_to_target", "lower"),
