@@ -55,13 +55,15 @@ G4_ONE = {"op_grpo_g4_one@0.0005": "OP-GRPO, one buffered trajectory per group, 
 
 # Each panel: one committed results folder, the runs shown (label -> name on the page) and what they are.
 PANELS = {
-    "tier2": dict(folder="shapes_tier2_matched",
+    # seeds 3-5 of Flow-GRPO and Flow-DPPO at 1 epoch (the README's first rows) in their own folder, by prompt as 0-2
+    "tier2": dict(folder="shapes_tier2_matched", seeds_from=("shapes_tier2_seeds",),
                   title="Tier 2, prompt set A (8 position prompts, trained-prompt strict)",
                   methods={"flow_grpo@0.001": "Flow-GRPO", "flow_grpo_2epochs@0.001": "Flow-GRPO, 2 epochs",
                            "flow_dppo_1epoch@0.001": "Flow-DPPO, 1 epoch", "flow_dppo@0.001": "Flow-DPPO, 2 epochs",
                            "stepwise_t2@0.001": "Stepwise T'=2", "stepwise_t3@0.001": "Stepwise T'=3",
                            "stepwise@0.001": "Stepwise T'=5"}),
-    "tier2b": dict(folder="shapes_tier2b", title="Tier 2, prompt set B (8 other position prompts, chosen by rule)",
+    "tier2b": dict(folder="shapes_tier2b", seeds_from=("shapes_tier2b_seeds",),
+                   title="Tier 2, prompt set B (8 other position prompts, chosen by rule)",
                    methods={"flow_grpo@0.001": "Flow-GRPO", "flow_grpo_2epochs@0.001": "Flow-GRPO, 2 epochs",
                             "flow_dppo_1epoch@0.001": "Flow-DPPO, 1 epoch", "flow_dppo@0.001": "Flow-DPPO, 2 epochs",
                             "stepwise_t2@0.001": "Stepwise T'=2", "stepwise_t3@0.001": "Stepwise T'=3",
@@ -93,6 +95,7 @@ PANELS = {
                           "rates",
                     methods=by_rate(("flow_grpo", "Flow-GRPO"), ("diffusion_nft_cfg", "DiffusionNFT with CFG"))),
     "nft_cfg_b": dict(folder="shapes_tier2b_nft", extra="shapes_tier2b", target_from="shapes_tier2b",
+                      seeds_from=("shapes_tier2b_seeds",),
                       title="Tier 2, prompt set B: DiffusionNFT and Flow-GRPO, both sampled with CFG 3, lr 1e-3",
                       methods={"flow_grpo@0.001": "Flow-GRPO, lr 0.001",
                                "diffusion_nft_cfg@0.001": "DiffusionNFT with CFG, lr 0.001"}),
@@ -136,12 +139,14 @@ PANELS = {
                          "prompt",
                    methods={**LAYOUT, "diffusion_nft_cfg_mixed@0.001": "DiffusionNFT with CFG, mixed",
                             "diffusion_nft_cfg@0.001": "DiffusionNFT with CFG, by prompt"},
-                   extra=("shapes_tier2_matched", "shapes_tier2_op"), target_from="shapes_tier2_matched"),
+                   extra=("shapes_tier2_matched", "shapes_tier2_op"), target_from="shapes_tier2_matched",
+                   seeds_from=("shapes_tier2_seeds",)),
     "layout_b": dict(folder="shapes_tier2b_mixed",
                      title="Tier 2, prompt set B: mixed-prompt update batches against prompt by prompt",
                      methods={**LAYOUT, "diffusion_nft_cfg_mixed@0.001": "DiffusionNFT with CFG, mixed",
                               "diffusion_nft_cfg@0.001": "DiffusionNFT with CFG, by prompt"},
-                     extra=("shapes_tier2b", "shapes_tier2b_nft"), target_from="shapes_tier2b"),
+                     extra=("shapes_tier2b", "shapes_tier2b_nft"), target_from="shapes_tier2b",
+                     seeds_from=("shapes_tier2b_seeds",)),
     # Flow-DPPO as UniRL's recipe trains (3 random SDE steps among the first 5 of 10, CFG 1, weight decay 0, its
     # step-0 std) against Flow-GRPO on the same steps and CFG; evaluated at CFG 1, so their base is the model at CFG 1.
     "unirl": dict(folder="shapes_tier2_unirl",
