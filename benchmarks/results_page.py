@@ -629,14 +629,12 @@ def censored_detectable(p: dict | None, a: str, b: str | None, field: str) -> st
     not apply."""
     if p is None or b is None or field not in ("steps_to_target", "cpu_to_target"):
         return None
-    sides = []
-    for lab in (a, b):
-        m = p["methods"].get(lab)
-        if not m or "run_end" not in m:
-            return None
-        sides.append([end if x is None else x for x, end in zip(m[field], m["run_end"][field])])
-    if all(x is not None for lab in (a, b) for x in p["methods"][lab][field]):
-        return None  # nothing censored: the cell was tested or not comparable for another reason
+    ms_ = [p["methods"].get(lab) for lab in (a, b)]
+    if not all(m and "run_end" in m for m in ms_) or all(x is not None for m in ms_ for x in m[field]):
+        return None  # a side not measured, or nothing censored (the cell's own test, or none, stands)
+    if field == "cpu_to_target" and not same_machine(ms_[0]["calibration"] + ms_[1]["calibration"]):
+        return None  # CPU seconds of different machines are not compared
+    sides = [[end if x is None else x for x, end in zip(m[field], m["run_end"][field])] for m in ms_]
     return detectable_text(significance(*sides), field, censored=True)
 
 
@@ -797,10 +795,8 @@ def claims(panels: dict) -> list[tuple]:
     for method, claim, paper, where, a, b, field, better in CLAIMS:
         cells = [cell(panels.get(pname), a, b, field, better) for pname in where]
         text = "; ".join(f"{SHORT[pname]}: {c}" for pname, (c, _) in zip(where, cells))
-        mdd = "; ".join(f"{SHORT[pname]} {d}" for pname, (text, r) in zip(where, cells)
-                        if (d := detectable_text(r, field) or (
-                            censored_detectable(panels.get(pname), a, b, field)
-                            if "a seed never reached it" in text and "CPU not compared" not in text else None))
+        mdd = "; ".join(f"{SHORT[pname]} {d}" for pname, (_, r) in zip(where, cells)
+                        if (d := detectable_text(r, field) or censored_detectable(panels.get(pname), a, b, field))
                         is not None) or "n/a"
         v = claim_verdict(where, cells, better)
         few = [pn for pn, (_, r) in zip(where, cells) if r is not None and any(
