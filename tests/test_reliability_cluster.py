@@ -60,6 +60,26 @@ def test_copies_of_one_sigterm_count_once_the_iteration_is_finished_and_saved(ma
     checkpoints.verify_files(checkpoints.read_marker(str(out / "checkpoint-2")))
 
 
+def test_a_copy_whose_handler_runs_late_is_still_a_copy():
+    """The handler runs when the main thread next runs Python: a launcher's copy that arrived 5 ms after the first
+    SIGTERM can reach it seconds later (the main thread was in a collective). The watcher read both deliveries as
+    they arrived and found one signal: that call is a copy, not "stop now" (before: the handler's own 5 s gap made
+    it a second signal, and a 2-process run under load lost its iteration, 1 run in 3). A delivery the watcher has
+    not read yet is judged by the handler's times, and two signals the watcher saw apart are a second signal."""
+    from types import SimpleNamespace
+
+    from trl_flow.engine.interrupts import InterruptGuard
+
+    guard = InterruptGuard(print_fn=lambda *a: None)
+    guard._first_at, guard._handled = 100.0, 2
+    guard._watcher = SimpleNamespace(distinct=1, seen=2)
+    assert not guard._is_second_signal(105.0)
+    guard._watcher = SimpleNamespace(distinct=1, seen=1)  # the watcher has not read this delivery yet
+    assert guard._is_second_signal(105.0) and not guard._is_second_signal(100.5)
+    guard._watcher = SimpleNamespace(distinct=2, seen=2)
+    assert guard._is_second_signal(100.5)
+
+
 # ------------------------------------------------------------------------------- 2 processes, all signalled
 CLUSTER_REWARD = '''
 import os, time

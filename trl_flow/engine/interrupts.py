@@ -120,8 +120,13 @@ class InterruptGuard:
         call, or the watcher saw two signals that far apart (it reads them as they arrive, while this handler may
         run late, and pending signals of one kind reach it merged; a late first call only shortens the gap seen
         here, so a copy is never taken for a second signal)."""
-        if self._watcher is not None and self._watcher.distinct >= 2:
-            return True
+        if self._watcher is not None:
+            if self._watcher.distinct >= 2:
+                return True
+            if self._watcher.seen >= self._handled:
+                # the watcher has read every delivery this handler has run for and found copies: this call is one
+                # that ran late (the main thread was in a collective or native call), not a later signal
+                return False
         return now - (self._first_at or now) > self.COALESCE_S
 
     def stop_requested(self, accelerator) -> int | None:
@@ -154,6 +159,8 @@ class _SignalWatcher:
         self._coalesce_s, self._on_first = coalesce_s, on_first
         #: signals seen, copies arriving within ``coalesce_s`` of the first counted once
         self.distinct = 0
+        #: deliveries of the guarded signals read so far, copies included
+        self.seen = 0
         self._on_first_thread: threading.Thread | None = None
         self._done = threading.Event()
         self._read, self._write = os.pipe()
@@ -174,6 +181,7 @@ class _SignalWatcher:
             for signum in data:
                 if signum not in self._signums:
                     continue
+                self.seen += 1
                 if first_at is None:
                     first_at, last, self.distinct = now, signum, 1
                     self._start_on_first(signum)
