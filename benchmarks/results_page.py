@@ -46,7 +46,9 @@ def by_rate(*methods: tuple[str, str]) -> dict[str, str]:
 
 LAYOUT = {"flow_grpo_mixed@0.001": "Flow-GRPO, mixed", "flow_grpo@0.001": "Flow-GRPO, by prompt",
           "flow_dppo_1epoch_mixed@0.001": "Flow-DPPO, 1 epoch, mixed",
-          "flow_dppo_1epoch@0.001": "Flow-DPPO, 1 epoch, by prompt"}
+          "flow_dppo_1epoch@0.001": "Flow-DPPO, 1 epoch, by prompt",
+          "diffusion_nft_cfg_mixed@0.001": "DiffusionNFT with CFG, mixed",
+          "diffusion_nft_cfg@0.001": "DiffusionNFT with CFG, by prompt"}
 UNIRL = {"flow_dppo_unirl@0.001": "Flow-DPPO, released code's form",
          "flow_grpo_unirl_steps@0.001": "Flow-GRPO, the same steps and CFG"}
 G4_ONE = {"op_grpo_g4_one@0.0005": "OP-GRPO, one buffered trajectory per group, G = 4",
@@ -137,14 +139,12 @@ PANELS = {
     "layout": dict(folder="shapes_tier2_mixed",
                    title="Tier 2, prompt set A: mixed-prompt update batches (the released code's) against prompt by "
                          "prompt",
-                   methods={**LAYOUT, "diffusion_nft_cfg_mixed@0.001": "DiffusionNFT with CFG, mixed",
-                            "diffusion_nft_cfg@0.001": "DiffusionNFT with CFG, by prompt"},
+                   methods=LAYOUT,
                    extra=("shapes_tier2_matched", "shapes_tier2_op"), target_from="shapes_tier2_matched",
                    seeds_from=("shapes_tier2_seeds",)),
     "layout_b": dict(folder="shapes_tier2b_mixed",
                      title="Tier 2, prompt set B: mixed-prompt update batches against prompt by prompt",
-                     methods={**LAYOUT, "diffusion_nft_cfg_mixed@0.001": "DiffusionNFT with CFG, mixed",
-                              "diffusion_nft_cfg@0.001": "DiffusionNFT with CFG, by prompt"},
+                     methods=LAYOUT,
                      extra=("shapes_tier2b", "shapes_tier2b_nft"), target_from="shapes_tier2b",
                      seeds_from=("shapes_tier2b_seeds",)),
     # Flow-DPPO as UniRL's recipe trains (3 random SDE steps among the first 5 of 10, CFG 1, weight decay 0, its
