@@ -27,8 +27,10 @@ the training loop is re-raised as :class:`CollectiveTimeoutError` naming the opt
 
 from __future__ import annotations
 
+import gc
 import os
 import re
+import weakref
 from datetime import timedelta
 
 import torch
@@ -248,6 +250,8 @@ def prepare(acc, transformer, optimizer, ref_model=None, save_hook=None, load_ho
     frozen reference copy (``finetune="full"``, ``beta > 0``) is sharded like the model; the caller's save-state /
     load-state pre-hooks are registered (the checkpoints' LoRA file, for a LoRA run)."""
     model, optimizer = acc.prepare(transformer, optimizer)
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        _ddp_models.add(model)  # released at the end of the process (release_ddp_models)
     trainable_params = [p for p in model.parameters() if p.requires_grad]
     if is_fsdp(acc) and ref_model is not None:
         from accelerate.utils.fsdp_utils import fsdp2_prepare_model
@@ -318,16 +322,41 @@ def check_resume(trainer, path: str, saved_processes: int | None) -> None:
 
 def end_processes() -> None:
     """The last step of a process that ran to the end (the CLI's): wait for the others, then destroy the process
-    group (accelerate's shared state does both). Left to interpreter exit, gloo's worker threads can be destroyed
-    while still joinable, and the process aborts (SIGABRT, ``terminate called without an active exception``) after
-    its work is done: 5-6 of 100 gloo processes here, 0 of 100 with this call (``scripts/measure_gloo_exit.py``).
-    Not after an error: a peer may still be waiting in a collective. One process: nothing to do."""
+    group (accelerate's shared state does both) and release it from the DDP models (:func:`release_ddp_models`).
+    Left to interpreter exit, gloo's worker threads can be destroyed while still joinable, and the process aborts
+    (SIGABRT, ``terminate called without an active exception``) after its work is done. Not after an error: a peer
+    may still be waiting in a collective. One process: nothing to do."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         from accelerate import PartialState
 
         state = PartialState()
         state.wait_for_everyone()
         state.destroy_process_group()
+    release_ddp_models()
+
+
+#: The DDP-wrapped models :func:`prepare` made, while they exist.
+_ddp_models: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def release_ddp_models() -> None:
+    """Make the models :func:`prepare` wrapped in DDP let go of the process group, once it is destroyed (or being
+    destroyed at exit): ``destroy_process_group()`` only unregisters the group, and a DDP model's reducer, logger
+    and ``process_group`` keep it, with its gloo threads, alive until the interpreter's teardown frees the model,
+    where a gloo thread freeing its last work can abort the process (``terminate called without an active
+    exception``; a finished rank of a 2-process test aborted so in two of three clean-clone CI runs). Measured in a
+    2-process CLI run: at exit, 2 ``pt_gloo_runloop`` threads and a ``gloo_tcp_loop`` one still ran in each process
+    after ``destroy_process_group()``; none after this (``tests/test_cli_accelerate.py`` counts them). The DDP
+    wrappers cannot run a step afterwards; their modules (``model.module``) and parameters are untouched."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return  # the group is still in use
+    models = list(_ddp_models)
+    _ddp_models.clear()
+    for model in models:
+        for name in ("logger", "reducer", "process_group"):  # the logger holds the reducer, which holds the group
+            model.__dict__.pop(name, None)
+    del models
+    gc.collect()  # a model in a reference cycle (e.g. with its trainer) lets go now, not at teardown
 
 
 _exit_hook_registered = False
@@ -339,7 +368,8 @@ def destroy_at_exit() -> None:
     ``terminate called without an active exception``): 5-6 of 100 gloo processes (``scripts/measure_gloo_exit.py``).
     Under gloo the processes first meet in a barrier bounded by :data:`EXIT_BARRIER_S` (destroying a group while a
     peer's gloo threads still talk to it aborted a finished process in the tracked-run test); a process that exits
-    after an error, while a peer still waits in a collective, stops waiting after that bound."""
+    after an error, while a peer still waits in a collective, stops waiting after that bound. Then the DDP models
+    let go of the group (:func:`release_ddp_models`), before the interpreter's teardown."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -354,6 +384,8 @@ def destroy_at_exit() -> None:
             dist.destroy_process_group()
         except Exception:  # at exit: a group that cannot be destroyed is left as it was
             pass
+    if not (dist.is_available() and dist.is_initialized()):  # also after a script's own end_training()
+        release_ddp_models()
 
 
 #: Seconds the processes of a gloo group wait for each other at interpreter exit before destroying it.
