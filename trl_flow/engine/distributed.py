@@ -351,6 +351,8 @@ def release_ddp_models() -> None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return  # the group is still in use
     models = list(_ddp_models)
+    if not models:
+        return
     _ddp_models.clear()
     for model in models:
         for name in ("logger", "reducer", "process_group"):  # the logger holds the reducer, which holds the group
