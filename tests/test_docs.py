@@ -337,7 +337,9 @@ def test_results_page_statistics():
     verdicts = {(row[0], row[1]): row[-1] for row in page.claims(panels)}
     assert verdicts[("Flow-GRPO", "improves the base")] == "holds"  # 6 seeds on sets A and B
     assert verdicts[("Flow-GRPO", "improves held-out prompts (sharp base, lr 5e-4)")] == "within the noise"
-    assert verdicts[("Flow-DPPO", "lower KL to the base at a matched score, 2 epochs each")] == "within the noise"
+    # (seeds 3-5 on set A, added since, make it hold there: p 0.008; set B's 3 seeds a side stay above)
+    assert verdicts[("Flow-DPPO", "lower KL to the base at a matched score, 2 epochs each")] == \
+        "holds on 1 of 2, within the noise elsewhere"
     assert verdicts[("DiffusionNFT", "with CFG, reaches the target in fewer iterations than Flow-GRPO, lr 0.0005")] \
         == "within the noise"
     # the verdict over several cells: each cell's own word
@@ -619,10 +621,11 @@ def test_flow_dppo_matched_numbers_are_the_committed_runs():
     # the KL at a matched score with one pass: on each set a Flow-GRPO seed of six never reached the score: no t
     kl = page.compare(page.load_panel("tier2b"), "flow_dppo_1epoch@0.001", "flow_grpo@0.001", "kl_at_target")
     kl_a = page.compare(p, "flow_dppo_1epoch@0.001", "flow_grpo@0.001", "kl_at_target")
-    assert min(one["na"], one["nb"], one_b["na"], one_b["nb"]) == 6 and min(two["na"], two["nb"]) >= 3
+    assert min(one["na"], one["nb"], one_b["na"], one_b["nb"]) == 6 and min(two["na"], two["nb"]) == 6
     assert f"Welch t {one['t']:.1f}; on prompt set B t {one_b['t']:.1f}" in text
     assert f"6 seeds a side detect about {max(one['test']['mdd'], one_b['test']['mdd']):.2f}" in text
-    assert f"(t {two['t']:.1f};" in text and f"(t {epoch['t']:.1f})" in text
+    assert f"(t {two['t']:.1f}, 6 seeds a side detect about {two['test']['mdd']:.2f};" in text
+    assert f"(t {epoch['t']:.1f})" in text
     assert (kl["na"], kl["nb"], kl_a["na"], kl_a["nb"]) == (6, 5, 6, 5)
     assert f"{kl['ratio']:.2f}x Flow-GRPO's on prompt set B and {kl_a['ratio']:.2f}x on set A, and untested" in text
     assert f"Welch p {kl['test']['p']:.3f} and {kl_a['test']['p']:.3f})" in text
@@ -633,13 +636,16 @@ def test_flow_dppo_matched_numbers_are_the_committed_runs():
         "not tested (a seed never reached the target)"
     # two passes each on set B (the runs set B lacked until stop 49), and the KL at a matched score with two passes
     two_b = page.compare(page.load_panel("tier2b"), "flow_dppo@0.001", "flow_grpo_2epochs@0.001")
-    assert f"(t {two['t']:.1f}; on prompt set B too, t {two_b['t']:.1f})" in text
+    assert f"on prompt set B too, t {two_b['t']:.1f})" in text and min(two_b["na"], two_b["nb"]) == 3
     assert two_b["test"]["word"] == "within the noise"
-    kl2 = [page.compare(q, "flow_dppo@0.001", "flow_grpo_2epochs@0.001", "kl_at_target")
-           for q in (page.load_panel("tier2b"), p)]
-    assert (f"With two passes each it is {kl2[0]['ratio']:.2f}x on set B ({page.stat_text(kl2[0]['test'])}) and "
-            f"{kl2[1]['ratio']:.2f}x on set A ({page.stat_text(kl2[1]['test'])}), both within the noise") in text
-    assert all(k["test"]["word"] == "within the noise" for k in kl2) and min(kl2[0]["na"], kl2[0]["nb"]) == 3
+    assert "two passes at 6 on prompt set A and 3 on set B" in text
+    kl2_b, kl2_a = [page.compare(q, "flow_dppo@0.001", "flow_grpo_2epochs@0.001", "kl_at_target", "lower")
+                    for q in (page.load_panel("tier2b"), p)]
+    assert (f"With two passes each it is {kl2_a['ratio']:.2f}x on set A, where the difference holds at 6 seeds a side "
+            f"({page.stat_text(kl2_a['test'])};") in text
+    assert f"and {kl2_b['ratio']:.2f}x on set B, within the noise at 3 seeds ({page.stat_text(kl2_b['test'])};" in text
+    assert (kl2_a["test"]["word"], kl2_b["test"]["word"]) == ("holds", "within the noise")
+    assert min(kl2_a["na"], kl2_a["nb"]) == 6 and min(kl2_b["na"], kl2_b["nb"]) == 3
 
 
 def test_stepwise_grid_numbers_are_the_committed_measurement():
