@@ -386,8 +386,7 @@ def destroy_at_exit() -> None:
             dist.destroy_process_group()
         except Exception:  # at exit: a group that cannot be destroyed is left as it was
             pass
-    if not (dist.is_available() and dist.is_initialized()):  # also after a script's own end_training()
-        release_ddp_models()
+    release_ddp_models()  # also after a script's own end_training(); nothing while a group is still in use
 
 
 #: Seconds the processes of a gloo group wait for each other at interpreter exit before destroying it.
